@@ -1,0 +1,52 @@
+"""Validation of what users pass in: token ids and positions."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import TokenError, TokenTypeError
+
+
+def token_id(value, vocab_size: int, what: str = "token id") -> int:
+    """``value`` as an int in [0, vocab_size), or TokenTypeError / TokenError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TokenTypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+    if not 0 <= value < vocab_size:
+        raise TokenError(f"{what} {value} is outside [0, {vocab_size})")
+    return int(value)
+
+
+def token_ids(values, vocab_size: int) -> np.ndarray:
+    """A non-empty 1-D sequence of token ids as an int64 array, checked."""
+    if isinstance(values, np.ndarray):
+        if values.dtype.kind not in "iu":
+            raise TokenTypeError(f"token ids must have an integer dtype, got an array of {values.dtype}")
+        if values.ndim != 1:
+            raise TokenError(f"token ids must be a 1-D array, got shape {values.shape}")
+        bad = np.flatnonzero((values < 0) | (values >= vocab_size))
+        if bad.size:
+            i = bad[0]
+            raise TokenError(f"token id {values[i]} at index {i} is outside [0, {vocab_size})")
+        ids = values.astype(np.int64)
+    elif isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TokenTypeError(
+            f"token ids must be a sequence of integers, got {type(values).__name__}"
+            + ("; encode text with a tokenizer first" if isinstance(values, str) else "")
+        )
+    else:
+        ids = np.array(
+            [token_id(v, vocab_size, f"token id at index {i}:") for i, v in enumerate(values)],
+            dtype=np.int64,
+        )
+    if ids.size == 0:
+        raise TokenError("the prompt is empty; give at least one token id")
+    return ids
+
+
+def position(value, n_positions: int) -> int:
+    """``value`` as an int in [0, n_positions), or TokenTypeError / TokenError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TokenTypeError(f"position must be an integer, got {value!r} ({type(value).__name__})")
+    if not 0 <= value < n_positions:
+        raise TokenError(f"position {value} is outside [0, {n_positions}) (n_positions)")
+    return int(value)

@@ -1,0 +1,29 @@
+"""The project's exceptions: one root, so callers can catch everything we raise."""
+
+
+class GPT2NumbaError(Exception):
+    """Root of every error gpt2numba raises on purpose."""
+
+
+class TokenError(GPT2NumbaError, ValueError):
+    """A prompt or token id has a bad value: empty, or outside [0, vocab)."""
+
+
+class TokenTypeError(GPT2NumbaError, TypeError):
+    """A prompt or token id is not an integer (a float, bool, string, ...)."""
+
+
+class CacheFullError(GPT2NumbaError, ValueError):
+    """The tokens do not fit in the room left in the ModelCache."""
+
+
+class ConfigError(GPT2NumbaError, ValueError):
+    """A configuration is invalid, or a cache and weights disagree on it."""
+
+
+class CheckpointError(GPT2NumbaError, ValueError):
+    """A checkpoint cannot be used: unreadable, wrong tensors, bad values."""
+
+
+class CheckpointNotFoundError(GPT2NumbaError, FileNotFoundError):
+    """A checkpoint path does not exist."""

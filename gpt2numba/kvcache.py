@@ -1,0 +1,196 @@
+"""The cached forward pass: ModelCache, prefill and decode_step.
+
+Everything here validates and then calls the kernels; a call that raises leaves
+the cache as it was. Shapes: T = new tokens, C = n_embd, V = vocab_size.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+from . import checks
+from .config import GPT2Config
+from .errors import CacheFullError, ConfigError, GPT2NumbaError
+from .kernels import _attend, _bias_gelu, _layernorm, _write_kv
+from .weights import GPT2Weights, load_weights, random_weights
+
+
+class ModelCache:
+    """Preallocated keys and values of every layer, and how many positions they hold.
+
+    k, v: float32 (n_layer, n_head, max_len, head_dim); rows at and beyond
+    ``length`` hold nothing meaningful. ``lengths`` has one entry per layer, each
+    advanced by that layer's own cache write.
+    """
+
+    def __init__(self, config: GPT2Config, max_len: int | None = None):
+        if not isinstance(config, GPT2Config):
+            raise ConfigError(f"ModelCache needs a GPT2Config, got {type(config).__name__}")
+        if max_len is None:
+            max_len = config.n_positions
+        if isinstance(max_len, (bool, np.bool_)) or not isinstance(max_len, (int, np.integer)):
+            raise ConfigError(f"max_len must be an integer, got {max_len!r}")
+        if not 1 <= max_len <= config.n_positions:
+            raise ConfigError(f"max_len={max_len} is outside [1, {config.n_positions}] (n_positions)")
+        self.config = config
+        self.max_len = int(max_len)
+        shape = (config.n_layer, config.n_head, self.max_len, config.head_dim)
+        self.k = np.zeros(shape, np.float32)  # (n_layer, n_head, max_len, head_dim)
+        self.v = np.zeros(shape, np.float32)  # (n_layer, n_head, max_len, head_dim)
+        self._lengths = np.zeros(config.n_layer, np.int64)  # (n_layer,)
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        """Positions filled, the same in every layer between calls."""
+        return self._length
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Positions written per layer, (n_layer,) int64 (a copy)."""
+        return self._lengths.copy()
+
+    @property
+    def room(self) -> int:
+        return self.max_len - self._length
+
+    def keys(self) -> np.ndarray:
+        """View of the filled keys, (n_layer, n_head, length, head_dim)."""
+        return self.k[:, :, : self._length]
+
+    def values(self) -> np.ndarray:
+        """View of the filled values, (n_layer, n_head, length, head_dim)."""
+        return self.v[:, :, : self._length]
+
+    def reset(self) -> None:
+        """Forget every position; the arrays stay allocated."""
+        self._length = 0
+        self._lengths[:] = 0
+
+    def __repr__(self) -> str:
+        return f"ModelCache(length={self._length}, max_len={self.max_len}, config={self.config})"
+
+
+def embed_token(token_id: int, position: int, w: GPT2Weights) -> np.ndarray:
+    """wte[token_id] + wpe[position], float32 (n_embd,)."""
+    _check_weights(w)
+    cfg = w.config
+    token_id = checks.token_id(token_id, cfg.vocab_size)
+    position = checks.position(position, cfg.n_positions)
+    return _embed(np.array([token_id]), position, w)[0]
+
+
+def prefill(prompt_ids, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
+    """Run the prompt through the model in one batched pass, filling the cache.
+
+    prompt_ids: non-empty 1-D integer ids in [0, vocab). Token i sits at position
+    mc.length + i, so a cache that already holds tokens is continued.
+    Returns float32 (vocab,): the next-token logits after the last prompt token.
+    Raises TokenTypeError / TokenError for bad ids, CacheFullError when the
+    prompt needs more than the cache's room, ConfigError when the cache was built
+    for another config; the cache is then unchanged.
+    """
+    _check_pair(w, mc)
+    ids = checks.token_ids(prompt_ids, w.config.vocab_size)
+    if len(ids) > mc.room:
+        raise CacheFullError(
+            f"a prompt of {len(ids)} tokens does not fit: the cache holds {mc.length} of "
+            f"max_len={mc.max_len} positions, room for {mc.room}"
+        )
+    return _logits(_forward(ids, w, mc), w)
+
+
+def decode_step(token_id: int, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
+    """Feed one token at position mc.length; return float32 (vocab,) next-token logits.
+
+    Raises TokenTypeError / TokenError for a bad id, CacheFullError when the
+    cache is full, ConfigError for a cache of another config; the cache is
+    then unchanged.
+    """
+    _check_pair(w, mc)
+    token_id = checks.token_id(token_id, w.config.vocab_size)
+    if mc.room == 0:
+        raise CacheFullError(f"the cache is full: all max_len={mc.max_len} positions hold tokens")
+    return _logits(_forward(np.array([token_id], np.int64), w, mc), w)
+
+
+def run_prefill(prompt_ids) -> np.ndarray:
+    """Prefill ``prompt_ids`` into a fresh cache on the default weights; return the logits."""
+    w = default_weights()
+    return prefill(prompt_ids, w, ModelCache(w.config))
+
+
+def default_weights() -> GPT2Weights:
+    """The checkpoint named by $GPT2NUMBA_WEIGHTS, else seeded random GPT-2 small."""
+    return _default_weights(os.environ.get("GPT2NUMBA_WEIGHTS") or None)
+
+
+@functools.lru_cache(maxsize=1)
+def _default_weights(path: str | None) -> GPT2Weights:
+    return load_weights(path) if path else random_weights(GPT2Config.small(), seed=0)
+
+
+def _check_weights(w) -> None:
+    if not isinstance(w, GPT2Weights):
+        raise ConfigError(f"expected GPT2Weights, got {type(w).__name__}")
+
+
+def _check_pair(w, mc) -> None:
+    _check_weights(w)
+    if not isinstance(mc, ModelCache):
+        raise ConfigError(f"expected a ModelCache, got {type(mc).__name__}")
+    if mc.config != w.config:
+        raise ConfigError(f"the cache was built for {mc.config}, the weights are {w.config}")
+
+
+def _embed(ids: np.ndarray, start: int, w: GPT2Weights) -> np.ndarray:
+    # (T,) ids at positions start.. -> (T, C)
+    return w.wte[ids] + w.wpe[start : start + len(ids)]
+
+
+def _forward(ids: np.ndarray, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
+    """All blocks over T checked tokens at positions mc.length..; returns x of the last, (C,)."""
+    cfg = w.config
+    T, C, start = len(ids), cfg.n_embd, mc.length
+    eps = cfg.layer_norm_epsilon
+    x = _embed(ids, start, w)                # (T, C) residual stream
+    h = np.empty((T, C), np.float32)         # (T, C) layernorm out, then projections
+    qkv = np.empty((T, 3 * C), np.float32)   # (T, 3C) [q | k | v]
+    a = np.empty((T, C), np.float32)         # (T, C) attention out, heads side by side
+    f = np.empty((T, 4 * C), np.float32)     # (T, 4C) MLP hidden
+    try:
+        for layer in range(cfg.n_layer):
+            _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
+            np.matmul(h, w.c_attn_w[layer], out=qkv)
+            qkv += w.c_attn_b[layer]
+            _write_kv(qkv, mc.k, mc.v, mc._lengths, layer, start)
+            _attend(qkv, mc.k, mc.v, layer, start, a)
+            np.matmul(a, w.attn_c_proj_w[layer], out=h)
+            x += h
+            x += w.attn_c_proj_b[layer]
+
+            _layernorm(x, w.ln_2_g[layer], w.ln_2_b[layer], eps, h)
+            np.matmul(h, w.c_fc_w[layer], out=f)
+            _bias_gelu(f, w.c_fc_b[layer])
+            np.matmul(f, w.mlp_c_proj_w[layer], out=h)
+            x += h
+            x += w.mlp_c_proj_b[layer]
+    except BaseException:
+        mc._lengths[:] = start  # the rows written past start mean nothing again
+        raise
+    if (mc._lengths != start + T).any():
+        skipped = np.flatnonzero(mc._lengths != start + T).tolist()
+        mc._lengths[:] = start
+        raise GPT2NumbaError(f"internal error: layers {skipped} did not write their cache rows")
+    mc._length = start + T
+    return x[-1]
+
+
+def _logits(x_last: np.ndarray, w: GPT2Weights) -> np.ndarray:
+    # (C,) -> (V,): ln_f, then the tied head wte for this one row
+    h = np.empty((1, w.config.n_embd), np.float32)
+    _layernorm(x_last[None, :], w.ln_f_g, w.ln_f_b, w.config.layer_norm_epsilon, h)
+    return w.wte @ h[0]

@@ -1,0 +1,290 @@
+"""GPT-2 weights: stacked float32 arrays, from safetensors checkpoints or a seed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .config import HEAD_DIM, GPT2Config
+from .errors import CheckpointError, CheckpointNotFoundError
+
+# Per-layer tensors: our field name, the checkpoint's name inside block "h.N.",
+# and the shape (from the config) as GPT-2's Conv1D stores it: [in, out].
+_LAYER_TENSORS = (
+    ("ln_1_g", "ln_1.weight", lambda c: (c.n_embd,)),
+    ("ln_1_b", "ln_1.bias", lambda c: (c.n_embd,)),
+    ("c_attn_w", "attn.c_attn.weight", lambda c: (c.n_embd, 3 * c.n_embd)),
+    ("c_attn_b", "attn.c_attn.bias", lambda c: (3 * c.n_embd,)),
+    ("attn_c_proj_w", "attn.c_proj.weight", lambda c: (c.n_embd, c.n_embd)),
+    ("attn_c_proj_b", "attn.c_proj.bias", lambda c: (c.n_embd,)),
+    ("ln_2_g", "ln_2.weight", lambda c: (c.n_embd,)),
+    ("ln_2_b", "ln_2.bias", lambda c: (c.n_embd,)),
+    ("c_fc_w", "mlp.c_fc.weight", lambda c: (c.n_embd, 4 * c.n_embd)),
+    ("c_fc_b", "mlp.c_fc.bias", lambda c: (4 * c.n_embd,)),
+    ("mlp_c_proj_w", "mlp.c_proj.weight", lambda c: (4 * c.n_embd, c.n_embd)),
+    ("mlp_c_proj_b", "mlp.c_proj.bias", lambda c: (c.n_embd,)),
+)
+_MODEL_TENSORS = (
+    ("wte", "wte.weight", lambda c: (c.vocab_size, c.n_embd)),
+    ("wpe", "wpe.weight", lambda c: (c.n_positions, c.n_embd)),
+    ("ln_f_g", "ln_f.weight", lambda c: (c.n_embd,)),
+    ("ln_f_b", "ln_f.bias", lambda c: (c.n_embd,)),
+)
+
+
+def _field_shapes(c: GPT2Config):
+    """(field, shape) of every GPT2Weights array, per-layer kinds stacked."""
+    for field, _, shape_of in _MODEL_TENSORS:
+        yield field, shape_of(c)
+    for field, _, shape_of in _LAYER_TENSORS:
+        yield field, (c.n_layer, *shape_of(c))
+
+
+# Buffers, not parameters: the causal mask GPT-2 checkpoints carry per layer.
+_IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GPT2Weights:
+    """Every GPT-2 parameter as C-contiguous, read-only float32 arrays.
+
+    Per-layer kinds are stacked on a leading layer axis (L = n_layer, C = n_embd,
+    V = vocab_size, P = n_positions); matrices are [in, out], so ``x @ w + b``.
+    The output head is tied: logits = ln_f(x) @ wte.T.
+    """
+
+    config: GPT2Config
+    wte: np.ndarray            # (V, C) token embeddings, also the output head
+    wpe: np.ndarray            # (P, C) position embeddings
+    ln_1_g: np.ndarray         # (L, C)
+    ln_1_b: np.ndarray         # (L, C)
+    c_attn_w: np.ndarray       # (L, C, 3C) columns: q | k | v, heads in order
+    c_attn_b: np.ndarray       # (L, 3C)
+    attn_c_proj_w: np.ndarray  # (L, C, C)
+    attn_c_proj_b: np.ndarray  # (L, C)
+    ln_2_g: np.ndarray         # (L, C)
+    ln_2_b: np.ndarray         # (L, C)
+    c_fc_w: np.ndarray         # (L, C, 4C)
+    c_fc_b: np.ndarray         # (L, 4C)
+    mlp_c_proj_w: np.ndarray   # (L, 4C, C)
+    mlp_c_proj_b: np.ndarray   # (L, C)
+    ln_f_g: np.ndarray         # (C,)
+    ln_f_b: np.ndarray         # (C,)
+
+    def __post_init__(self):
+        for field, expected in _field_shapes(self.config):
+            a = getattr(self, field)
+            if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+                raise CheckpointError(f"{field} must be a float32 ndarray")
+            if a.shape != expected:
+                raise CheckpointError(f"{field} has shape {a.shape}, expected {expected}")
+            if not a.flags.c_contiguous:
+                a = np.ascontiguousarray(a)
+                object.__setattr__(self, field, a)
+            a.flags.writeable = False  # nothing we run may change the weights
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, field).nbytes for field, _ in _field_shapes(self.config))
+
+
+def random_weights(config: GPT2Config, seed: int = 0) -> GPT2Weights:
+    """Seeded random weights with GPT-2's shapes and its initialisation scales.
+
+    Matrices ~ N(0, 0.02) (residual projections scaled by 1/sqrt(2 n_layer), as
+    GPT-2 does); unlike a fresh GPT-2, biases and layernorm parameters are random
+    too, so that a test can tell when one of them is dropped or misplaced.
+    """
+    rng = np.random.default_rng(seed)
+    cfg, L, C = config, config.n_layer, config.n_embd
+
+    def normal(shape, std, mean=0.0):
+        a = rng.standard_normal(shape, dtype=np.float32)
+        a *= np.float32(std)
+        a += np.float32(mean)
+        return a
+
+    proj_std = 0.02 / np.sqrt(2 * L)
+    return GPT2Weights(
+        config=cfg,
+        wte=normal((cfg.vocab_size, C), 0.02),
+        wpe=normal((cfg.n_positions, C), 0.01),
+        ln_1_g=normal((L, C), 0.1, 1.0),
+        ln_1_b=normal((L, C), 0.02),
+        c_attn_w=normal((L, C, 3 * C), 0.02),
+        c_attn_b=normal((L, 3 * C), 0.02),
+        attn_c_proj_w=normal((L, C, C), proj_std),
+        attn_c_proj_b=normal((L, C), 0.02),
+        ln_2_g=normal((L, C), 0.1, 1.0),
+        ln_2_b=normal((L, C), 0.02),
+        c_fc_w=normal((L, C, 4 * C), 0.02),
+        c_fc_b=normal((L, 4 * C), 0.02),
+        mlp_c_proj_w=normal((L, 4 * C, C), proj_std),
+        mlp_c_proj_b=normal((L, C), 0.02),
+        ln_f_g=normal((C,), 0.1, 1.0),
+        ln_f_b=normal((C,), 0.02),
+    )
+
+
+def load_weights(path: str | Path) -> GPT2Weights:
+    """Load GPT-2 weights from a safetensors checkpoint.
+
+    ``path`` is a directory holding ``model.safetensors`` (and ``config.json``,
+    whose sizes must agree with the tensors) or a ``.safetensors`` file, whose
+    config is inferred from the tensor shapes (head_dim 64). Both layouts of real
+    GPT-2 checkpoints load: ``transformer.``-prefixed keys (``save_pretrained``)
+    and bare keys (``openai-community/gpt2``). float32, float16 and bfloat16
+    tensors are read and kept as float32.
+
+    Raises CheckpointNotFoundError for a missing path and CheckpointError for an
+    unreadable file, a missing, mis-shaped or non-finite tensor, an untied
+    ``lm_head.weight`` or a config.json that disagrees with the tensors.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    config = None
+    if path.is_dir():
+        file = path / "model.safetensors"
+        if not file.is_file():
+            raise CheckpointNotFoundError(f"checkpoint directory {str(path)!r} has no model.safetensors")
+        if (path / "config.json").is_file():
+            config = GPT2Config.from_json(path / "config.json")
+    else:
+        file = path
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            return _read(f, file, config)
+    except SafetensorError as e:
+        raise CheckpointError(f"{str(file)!r} is not a readable safetensors file: {e}") from None
+
+
+def _read(f, file: Path, config: GPT2Config | None) -> GPT2Weights:
+    """Gather, check and stack the tensors of an open safetensors file."""
+    names = set(f.keys())
+    prefix = "transformer." if "transformer.wte.weight" in names else ""
+
+    def shape(name):
+        return tuple(f.get_slice(prefix + name).get_shape())
+
+    for name in ("wte.weight", "wpe.weight"):
+        if prefix + name not in names:
+            raise CheckpointError(f"{str(file)!r} has no tensor {prefix + name!r}")
+    n_layer = len({m.group(1) for n in names if (m := re.match(rf"{re.escape(prefix)}h\.(\d+)\.", n))})
+    inferred = _infer_config(shape("wte.weight"), shape("wpe.weight"), n_layer, file)
+    if config is None:
+        config = inferred
+    elif (config.n_layer, config.n_embd, config.vocab_size, config.n_positions) != (
+        inferred.n_layer, inferred.n_embd, inferred.vocab_size, inferred.n_positions
+    ):
+        raise CheckpointError(
+            f"config.json says n_layer={config.n_layer}, n_embd={config.n_embd}, "
+            f"vocab_size={config.vocab_size}, n_positions={config.n_positions} but the tensors in "
+            f"{str(file)!r} give n_layer={inferred.n_layer}, n_embd={inferred.n_embd}, "
+            f"vocab_size={inferred.vocab_size}, n_positions={inferred.n_positions}"
+        )
+
+    expected = {}  # checkpoint name -> (field, layer or None, shape)
+    for field, name, shape_of in _MODEL_TENSORS:
+        expected[prefix + name] = (field, None, shape_of(config))
+    for layer in range(config.n_layer):
+        for field, name, shape_of in _LAYER_TENSORS:
+            expected[f"{prefix}h.{layer}.{name}"] = (field, layer, shape_of(config))
+    missing = sorted(set(expected) - names, key=_natural)
+    if missing:
+        raise CheckpointError(f"{str(file)!r} lacks tensor {missing[0]!r} ({len(missing)} missing in all)")
+    known = set(expected) | {"lm_head.weight"}
+    unknown = sorted(n for n in names - known if not _IGNORED.search(n))
+    if unknown:
+        raise CheckpointError(f"{str(file)!r} has unexpected tensor {unknown[0]!r}; is this GPT-2?")
+
+    arrays = {field: np.empty(shape, np.float32) for field, shape in _field_shapes(config)}
+    for name, (field, layer, want) in expected.items():
+        got = shape(name[len(prefix):])
+        if got != want:
+            raise CheckpointError(f"tensor {name!r} has shape {list(got)}, expected {list(want)}")
+        tensor = _float32(f, name)
+        if not np.isfinite(tensor).all():
+            raise CheckpointError(f"tensor {name!r} holds non-finite values (nan or inf)")
+        if layer is None:
+            arrays[field][...] = tensor
+        else:
+            arrays[field][layer] = tensor
+    if "lm_head.weight" in names:
+        lm_head = _float32(f, "lm_head.weight")
+        if lm_head.shape != arrays["wte"].shape or not np.array_equal(lm_head, arrays["wte"]):
+            raise CheckpointError(
+                f"{str(file)!r} has an lm_head.weight that differs from wte.weight; "
+                "gpt2numba supports only GPT-2's tied output head"
+            )
+    return GPT2Weights(config=config, **arrays)
+
+
+def _float32(f, name: str) -> np.ndarray:
+    dtype = f.get_slice(name).get_dtype()
+    if dtype not in ("F32", "F16", "BF16"):
+        raise CheckpointError(f"tensor {name!r} has dtype {dtype}; expected F32, F16 or BF16")
+    if dtype == "BF16":
+        import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy for safetensors)
+    return f.get_tensor(name).astype(np.float32, copy=False)
+
+
+def _infer_config(wte_shape, wpe_shape, n_layer, file) -> GPT2Config:
+    if len(wte_shape) != 2 or len(wpe_shape) != 2 or wte_shape[1] != wpe_shape[1]:
+        raise CheckpointError(
+            f"{str(file)!r}: wte {list(wte_shape)} and wpe {list(wpe_shape)} are not [vocab, n_embd] "
+            "and [n_positions, n_embd]"
+        )
+    n_embd = wte_shape[1]
+    if n_layer == 0:
+        raise CheckpointError(f"{str(file)!r} has no transformer blocks (no 'h.N.' tensors)")
+    if n_embd % HEAD_DIM:
+        raise CheckpointError(f"{str(file)!r}: n_embd={n_embd} is not a multiple of head_dim {HEAD_DIM}")
+    return GPT2Config(
+        n_layer=n_layer,
+        n_head=n_embd // HEAD_DIM,
+        n_embd=n_embd,
+        n_positions=wpe_shape[0],
+        vocab_size=wte_shape[0],
+    )
+
+
+def _natural(name: str):
+    """Sort key that puts h.2 before h.10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def save_weights(w: GPT2Weights, path: str | Path, dtype: str = "float32") -> None:
+    """Write ``w`` as a checkpoint directory in the ``save_pretrained`` layout.
+
+    ``dtype`` is "float32", "float16" or "bfloat16". The directory gets
+    config.json and model.safetensors with ``transformer.``-prefixed keys.
+    """
+    from safetensors.numpy import save_file
+
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise CheckpointError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        np_dtype = ml_dtypes.bfloat16
+    else:
+        np_dtype = np.dtype(dtype)
+    cfg = w.config
+    tensors = {}
+    for field, name, _ in _MODEL_TENSORS:
+        tensors[f"transformer.{name}"] = getattr(w, field).astype(np_dtype)
+    for layer in range(cfg.n_layer):
+        for field, name, _ in _LAYER_TENSORS:
+            tensors[f"transformer.h.{layer}.{name}"] = getattr(w, field)[layer].astype(np_dtype)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    config = dataclasses.asdict(cfg) | {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,61 @@
+"""Shared fixtures and Hypothesis profiles.
+
+Profiles: "ci" (the default; the whole suite in a few minutes on 2 cores) and
+"full" (many more examples, for local runs): HYPOTHESIS_PROFILE=full pytest
+"""
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+import gpt2numba as g
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=12, **_common)
+settings.register_profile("full", max_examples=200, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Two layers of 64-wide heads: every code path of GPT-2, at a size that runs in ms.
+TINY = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=64, vocab_size=512)
+
+_max_diffs = []  # (label, max |cached - oracle|), reported at the end of the run
+
+
+def record_diff(label: str, diff: float) -> None:
+    _max_diffs.append((label, diff))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _max_diffs:
+        worst = max(_max_diffs, key=lambda p: p[1])
+        terminalreporter.write_line(
+            f"gpt2numba: {len(_max_diffs)} logit comparisons with the oracle, "
+            f"max |cached - oracle| = {worst[1]:.3g} ({worst[0]})"
+        )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled():
+    """Compile (or load from Numba's cache) every kernel once, before any timing matters."""
+    w = g.random_weights(TINY, seed=0)
+    mc = g.ModelCache(TINY)
+    g.prefill([1, 2, 3], w, mc)
+    g.decode_step(4, w, mc)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return g.random_weights(TINY, seed=1)
+
+
+@pytest.fixture(scope="session")
+def small():
+    """GPT-2 small's real shapes (12 x 12 x 768, vocab 50257, 1024 positions), random weights."""
+    return g.random_weights(g.GPT2Config.small(), seed=2)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

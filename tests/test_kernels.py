@@ -1,0 +1,83 @@
+"""Each Numba kernel against a slow, plain NumPy reference on random shapes."""
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpt2numba import kernels, oracle
+
+dims = st.integers(1, 40)
+
+
+def randn(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+@given(n=dims, C=dims, seed=st.integers(0, 2**32 - 1))
+def test_layernorm(n, C, seed):
+    rng = np.random.default_rng(seed)
+    x, g, b = randn(rng, n, C, scale=3.0), randn(rng, C), randn(rng, C)
+    out = np.empty_like(x)
+    kernels._layernorm(x, g, b, 1e-5, out)
+    ref = oracle.layer_norm(x.astype(np.float64), g, b, 1e-5)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-4)
+
+
+@given(n=dims, F=dims, seed=st.integers(0, 2**32 - 1))
+def test_bias_gelu(n, F, seed):
+    rng = np.random.default_rng(seed)
+    x, b = randn(rng, n, F, scale=4.0), randn(rng, F)
+    ref = oracle.gelu(x.astype(np.float64) + b)
+    kernels._bias_gelu(x, b)
+    np.testing.assert_allclose(x, ref, atol=1e-6, rtol=1e-5)
+
+
+def _cache_case(rng, n_layer, H, D, max_len, start, T):
+    k = randn(rng, n_layer, H, max_len, D)
+    v = randn(rng, n_layer, H, max_len, D)
+    qkv = randn(rng, T, 3 * H * D)
+    return qkv, k, v
+
+
+cache_shapes = st.tuples(
+    st.integers(1, 3), st.integers(1, 4), st.sampled_from([1, 8, 64]), st.integers(1, 24)
+).flatmap(lambda s: st.tuples(st.just(s), st.integers(0, s[3] - 1)).flatmap(
+    lambda p: st.tuples(st.just(p[0]), st.just(p[1]), st.integers(1, p[0][3] - p[1]))))
+
+
+@given(shape=cache_shapes, seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_write_kv(shape, seed, data):
+    (n_layer, H, D, max_len), start, T = shape
+    layer = data.draw(st.integers(0, n_layer - 1))
+    qkv, k, v = _cache_case(np.random.default_rng(seed), n_layer, H, D, max_len, start, T)
+    k_ref, v_ref = k.copy(), v.copy()
+    C = H * D
+    # (T, C) -> (H, T, D)
+    k_ref[layer, :, start:start + T] = qkv[:, C:2 * C].reshape(T, H, D).transpose(1, 0, 2)
+    v_ref[layer, :, start:start + T] = qkv[:, 2 * C:].reshape(T, H, D).transpose(1, 0, 2)
+    lengths = np.full(n_layer, -1, np.int64)
+    kernels._write_kv(qkv, k, v, lengths, layer, start)
+    np.testing.assert_array_equal(k, k_ref)
+    np.testing.assert_array_equal(v, v_ref)
+    assert lengths[layer] == start + T and (np.delete(lengths, layer) == -1).all()
+
+
+@given(shape=cache_shapes, seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_attend(shape, seed, data):
+    """T queries at positions start..start+T-1 over cache rows 0..start+T-1."""
+    (n_layer, H, D, max_len), start, T = shape
+    layer = data.draw(st.integers(0, n_layer - 1))
+    qkv, k, v = _cache_case(np.random.default_rng(seed), n_layer, H, D, max_len, start, T)
+    out = np.empty((T, H * D), np.float32)
+    kernels._attend(qkv, k, v, layer, start, out)
+
+    ref = np.empty((T, H * D))
+    for h in range(H):
+        q = qkv[:, h * D:(h + 1) * D].astype(np.float64)           # (T, D)
+        kk = k[layer, h, :start + T].astype(np.float64)               # (start+T, D)
+        vv = v[layer, h, :start + T].astype(np.float64)
+        scores = q @ kk.T / np.sqrt(D)                                # (T, start+T)
+        visible = np.arange(start + T)[None, :] <= (start + np.arange(T))[:, None]
+        scores = np.where(visible, scores, -np.inf)
+        ref[:, h * D:(h + 1) * D] = oracle.softmax(scores) @ vv
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-4)
