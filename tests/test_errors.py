@@ -1,0 +1,145 @@
+"""Every bad input raises the project's own error, names the problem, and changes nothing."""
+
+import numpy as np
+import pytest
+
+import gpt2numba as g
+from conftest import TINY
+
+
+@pytest.fixture
+def filled(tiny):
+    """A cache holding 5 positions, and a snapshot of everything in it."""
+    mc = g.ModelCache(TINY, max_len=8)
+    g.prefill([1, 2, 3, 4, 5], tiny, mc)
+    return mc, (mc.length, mc.lengths, mc.k.copy(), mc.v.copy())
+
+
+def assert_unchanged(mc, snapshot):
+    length, lengths, k, v = snapshot
+    assert mc.length == length
+    np.testing.assert_array_equal(mc.lengths, lengths)
+    np.testing.assert_array_equal(mc.k, k)
+    np.testing.assert_array_equal(mc.v, v)
+
+
+@pytest.mark.parametrize("prompt, error, match", [
+    ([], g.TokenError, "empty"),
+    (np.array([], np.int64), g.TokenError, "empty"),
+    ([1, 512], g.TokenError, r"512 is outside \[0, 512\)"),
+    ([-1], g.TokenError, r"-1 is outside \[0, 512\)"),
+    (np.array([7, 600]), g.TokenError, r"600 at index 1 is outside \[0, 512\)"),
+    (np.array([-3], np.int8), g.TokenError, "-3"),
+    ([1, 2**70], g.TokenError, "outside"),
+    ([1.0, 2.0], g.TokenTypeError, "must be an integer, got 1.0"),
+    (np.array([1.5]), g.TokenTypeError, "float64"),
+    ([True], g.TokenTypeError, "True"),
+    (np.array([True, False]), g.TokenTypeError, "bool"),
+    ("hello", g.TokenTypeError, "str"),
+    ([b"x"], g.TokenTypeError, "bytes"),
+    (["3"], g.TokenTypeError, "'3'"),
+    (7, g.TokenTypeError, "int"),
+    (np.ones((2, 2), np.int64), g.TokenError, r"1-D.*\(2, 2\)"),
+    ([1, 2, 3, 4], g.CacheFullError, "4 tokens.*holds 5 of max_len=8.*room for 3"),
+])
+def test_bad_prompt(tiny, filled, prompt, error, match):
+    mc, snapshot = filled
+    with pytest.raises(error, match=match):
+        g.prefill(prompt, tiny, mc)
+    assert_unchanged(mc, snapshot)
+
+
+@pytest.mark.parametrize("token, error, match", [
+    (512, g.TokenError, r"512 is outside \[0, 512\)"),
+    (np.int64(-1), g.TokenError, "-1"),
+    (1.0, g.TokenTypeError, "float"),
+    (True, g.TokenTypeError, "bool"),
+    ("3", g.TokenTypeError, "str"),
+    ([3], g.TokenTypeError, "list"),
+    (None, g.TokenTypeError, "None"),
+])
+def test_bad_decode_token(tiny, filled, token, error, match):
+    mc, snapshot = filled
+    with pytest.raises(error, match=match):
+        g.decode_step(token, tiny, mc)
+    assert_unchanged(mc, snapshot)
+
+
+def test_decode_on_full_cache(tiny, filled):
+    mc, _ = filled
+    g.prefill([6, 7, 8], tiny, mc)
+    snapshot = (mc.length, mc.lengths, mc.k.copy(), mc.v.copy())
+    with pytest.raises(g.CacheFullError, match="full.*max_len=8"):
+        g.decode_step(1, tiny, mc)
+    with pytest.raises(g.CacheFullError, match="room for 0"):
+        g.prefill([1], tiny, mc)
+    assert_unchanged(mc, snapshot)
+
+
+def test_cache_of_another_config(tiny, filled):
+    mc, snapshot = filled
+    other = g.random_weights(g.GPT2Config(n_layer=3, n_head=2, n_embd=128, n_positions=64, vocab_size=512))
+    with pytest.raises(g.ConfigError, match="n_layer=2.*n_layer=3"):
+        g.prefill([1], other, mc)
+    with pytest.raises(g.ConfigError, match="cache was built for"):
+        g.decode_step(1, other, mc)
+    assert_unchanged(mc, snapshot)
+
+
+@pytest.mark.parametrize("w, mc", [("weights", "cache"), ("w", None)])
+def test_wrong_objects(tiny, filled, w, mc):
+    with pytest.raises(g.ConfigError, match="expected"):
+        g.prefill([1], tiny if w == "w" else w, mc)
+
+
+@pytest.mark.parametrize("max_len, match", [
+    (0, r"max_len=0 is outside \[1, 64\]"),
+    (-5, "max_len=-5"),
+    (65, r"max_len=65 is outside \[1, 64\]"),
+    (2.5, "must be an integer"),
+    (True, "must be an integer"),
+])
+def test_bad_max_len(max_len, match):
+    with pytest.raises(g.ConfigError, match=match):
+        g.ModelCache(TINY, max_len=max_len)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n_embd=100, n_head=3), "not divisible"),
+    (dict(n_layer=0), "n_layer must be a positive integer"),
+    (dict(vocab_size=2.5), "vocab_size"),
+    (dict(layer_norm_epsilon=0), "layer_norm_epsilon"),
+])
+def test_bad_config(kwargs, match):
+    with pytest.raises(g.ConfigError, match=match):
+        g.GPT2Config(**kwargs)
+
+
+def test_embed_token_checks(tiny):
+    with pytest.raises(g.TokenError, match=r"position 64 is outside \[0, 64\)"):
+        g.embed_token(1, 64, tiny)
+    with pytest.raises(g.TokenError, match=r"token id 512"):
+        g.embed_token(512, 0, tiny)
+    with pytest.raises(g.TokenTypeError, match="position must be an integer"):
+        g.embed_token(1, 1.0, tiny)
+
+
+def test_reset_and_reuse(tiny, filled):
+    mc, _ = filled
+    mc.reset()
+    assert mc.length == 0 and (mc.lengths == 0).all() and mc.keys().shape[2] == 0
+    fresh = g.ModelCache(TINY, max_len=8)
+    np.testing.assert_array_equal(g.prefill([9, 8, 7], tiny, mc), g.prefill([9, 8, 7], tiny, fresh))
+
+
+def test_interrupted_forward_leaves_lengths(tiny, filled, monkeypatch):
+    """An exception inside the layer loop (here, from the attention kernel) rolls lengths back."""
+    mc, (length, lengths, _, _) = filled
+    from gpt2numba import kvcache
+
+    def broken(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(kvcache, "_attend", broken)
+    with pytest.raises(KeyboardInterrupt):
+        g.prefill([1, 2], tiny, mc)
+    assert mc.length == length and (mc.lengths == lengths).all()
