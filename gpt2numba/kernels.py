@@ -1,9 +1,12 @@
-"""Numba kernels for the parts of GPT-2 that are not matrix products.
+"""Numba kernels: everything of GPT-2's forward pass but the Python loop over layers.
 
 Private and unchecked: callers in kvcache.py validate shapes, dtypes and ranges.
-Arrays are float32 and C-contiguous; C = n_embd, H = n_head, D = head_dim.
-Masking is by loop bounds (a query at position pos reads positions 0..pos), so
-no -inf ever enters the arithmetic and fastmath stays safe.
+Arrays are float32 and C-contiguous; T = tokens in the pass, C = n_embd,
+H = n_head, D = head_dim. Numba's threads do all the parallel work; the matrix
+products inside run on one BLAS thread each (kvcache.py pins BLAS to one thread
+while it computes), so the two thread pools never compete for the cores.
+Masking is by loop bounds (a query at position pos reads positions 0..pos): no
+-inf enters the arithmetic, so fastmath stays safe.
 """
 
 import math
@@ -15,17 +18,20 @@ from numba import njit, prange
 # comparisons with inf or nan keep their meaning.
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
-_GELU_C = math.sqrt(2.0 / math.pi)
+# float32 constants keep the elementwise kernels in float32 (a float64 literal would promote)
+_ONE = np.float32(1.0)
+_GELU_2C = np.float32(2.0 * math.sqrt(2.0 / math.pi))
+_GELU_A = np.float32(0.044715)
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
 def _layernorm(x, g, b, eps, out):
     """out[i] = (x[i] - mean) / sqrt(var + eps) * g + b, biased variance.
 
-    x, out: (n, C); g, b: (C,); eps: float.
+    x, out: (T, C); g, b: (C,); eps: float.
     """
-    n, C = x.shape
-    for i in range(n):
+    T, C = x.shape
+    for i in prange(T):
         mean = 0.0
         for j in range(C):
             mean += x[i, j]
@@ -40,17 +46,77 @@ def _layernorm(x, g, b, eps, out):
             out[i, j] = (x[i, j] - mean) * rstd * g[j] + b[j]
 
 
-@njit(cache=True, fastmath=FASTMATH)
-def _bias_gelu(x, b):
-    """In place: x = gelu(x + b), GPT-2's tanh approximation.
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _gelu(x):
+    """In place: x = gelu(x), GPT-2's tanh form, 0.5 x (1 + tanh(c (x + 0.044715 x^3))).
 
-    x: (n, F); b: (F,).
+    x: (T, F). Computed as x / (1 + exp(-2 c (x + 0.044715 x^3))), the same function
+    (0.5 (1 + tanh z) = 1 / (1 + exp(-2z))), because exp is five times cheaper than tanh.
     """
-    n, F = x.shape
-    for i in range(n):
+    T, F = x.shape
+    for i in prange(T):
         for j in range(F):
-            y = x[i, j] + b[j]
-            x[i, j] = 0.5 * y * (1.0 + math.tanh(_GELU_C * (y + 0.044715 * y * y * y)))
+            y = x[i, j]
+            x[i, j] = y / (_ONE + np.exp(-_GELU_2C * (y + _GELU_A * y * y * y)))
+
+
+@njit(cache=True, parallel=True)
+def _linear(x, w, b, scratch, out, accumulate, n_blocks, split_k):
+    """out = x @ w + b, or out += x @ w + b when ``accumulate`` (a residual add).
+
+    x: (T, K); w: (K, N); b: (N,); out: (T, N); scratch: flat float32, at least
+    n_blocks * T * N elements when ``split_k``, else T * N. Work splits into
+    n_blocks (one per thread), each a single-threaded BLAS product:
+    split_k: blocks of w's rows into partial sums, so each thread streams its
+    own part of the weights (few tokens, where reading w is the cost);
+    otherwise blocks of x's rows (many tokens, where the flops are).
+    """
+    T, K = x.shape
+    N = w.shape[1]
+    if split_k:
+        partial = scratch[: n_blocks * T * N].reshape(n_blocks, T, N)
+        step = (K + n_blocks - 1) // n_blocks
+        for blk in prange(n_blocks):
+            lo = min(K, blk * step)
+            hi = min(K, lo + step)
+            if lo < hi:
+                np.dot(x[:, lo:hi].copy(), w[lo:hi], partial[blk])
+            else:
+                partial[blk] = 0.0
+        for i in prange(T):
+            for j in range(N):
+                s = b[j]
+                for blk in range(n_blocks):
+                    s += partial[blk, i, j]
+                out[i, j] = out[i, j] + s if accumulate else s
+    else:
+        product = scratch[: T * N].reshape(T, N)
+        step = (T + n_blocks - 1) // n_blocks
+        for blk in prange(n_blocks):
+            lo = min(T, blk * step)
+            hi = min(T, lo + step)
+            if lo < hi:
+                np.dot(x[lo:hi], w, product[lo:hi])
+                for i in range(lo, hi):
+                    for j in range(N):
+                        s = product[i, j] + b[j]
+                        out[i, j] = out[i, j] + s if accumulate else s
+
+
+@njit(cache=True, parallel=True)
+def _head(wte, h, out, n_blocks):
+    """Tied output head for one row: out = wte @ h.
+
+    wte: (V, C); h: (C,); out: (V,). Each of n_blocks threads streams a block of
+    vocabulary rows.
+    """
+    V = wte.shape[0]
+    step = (V + n_blocks - 1) // n_blocks
+    for blk in prange(n_blocks):
+        lo = min(V, blk * step)
+        hi = min(V, lo + step)
+        if lo < hi:
+            np.dot(wte[lo:hi], h, out[lo:hi])
 
 
 @njit(cache=True)
@@ -71,40 +137,50 @@ def _write_kv(qkv, k, v, lengths, layer, start):
     lengths[layer] = start + T
 
 
+# Queries per attention tile: a tile's scores are one BLAS product against the keys it may see.
+ATTEND_TILE = 64
+
+
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
-def _attend(qkv, k, v, layer, start, out):
+def _attend(qkv, k, v, layer, start, out, scratch):
     """Causal attention of T queries at positions start..start+T-1 over the cache.
 
     qkv: (T, 3C), queries in columns [0, C); k, v: (n_layer, H, max_len, D), rows
-    0..start+T-1 of ``layer`` already written; out: (T, C), heads side by side.
-    Parallel over heads.
+    0..start+T-1 of ``layer`` already written; out: (T, C), heads side by side;
+    scratch: (H, ATTEND_TILE * (D + max_len)). Parallel over heads. For a tile of
+    queries i0..i1-1, BLAS computes the scores against keys 0..start+i1-1; the
+    softmax of query pos then reads keys 0..pos only and zeroes the rest, so the
+    mask is exact and by loop bounds.
     """
     T = qkv.shape[0]
     H, D = k.shape[1], k.shape[3]
     scale = np.float32(1.0 / math.sqrt(D))
     for h in prange(H):
-        scores = np.empty(start + T, np.float32)  # (pos + 1,) used per query
-        acc = np.empty(D, np.float32)
-        for i in range(T):
-            pos = start + i
-            q = qkv[i, h * D:(h + 1) * D]
-            peak = -np.inf
-            for t in range(pos + 1):
-                s = np.float32(0.0)
+        for i0 in range(0, T, ATTEND_TILE):
+            i1 = min(T, i0 + ATTEND_TILE)
+            m, n = i1 - i0, start + i1  # m queries; keys 0..n-1 visible to the tile's last
+            q = scratch[h, : m * D].reshape(m, D)  # (m, D), then the tile's output
+            s = scratch[h, m * D : m * D + m * n].reshape(m, n)  # (m, n) scores, then weights
+            for i in range(m):
                 for d in range(D):
-                    s += q[d] * k[layer, h, t, d]
-                s *= scale
-                scores[t] = s
-                peak = max(peak, s)
-            total = np.float32(0.0)
-            for t in range(pos + 1):
-                e = np.float32(math.exp(scores[t] - peak))
-                scores[t] = e
-                total += e
-            acc[:] = 0.0
-            for t in range(pos + 1):
-                p = scores[t]
+                    q[i, d] = qkv[i0 + i, h * D + d] * scale
+            np.dot(q, k[layer, h, :n].T, s)
+            for i in range(m):
+                pos = start + i0 + i
+                peak = s[i, 0]
+                for t in range(1, pos + 1):
+                    peak = max(peak, s[i, t])
+                total = np.float32(0.0)
+                for t in range(pos + 1):
+                    e = np.exp(s[i, t] - peak)
+                    s[i, t] = e
+                    total += e
+                inv = _ONE / total
+                for t in range(pos + 1):
+                    s[i, t] *= inv
+                for t in range(pos + 1, n):
+                    s[i, t] = 0.0
+            np.dot(s, v[layer, h, :n], q)
+            for i in range(m):
                 for d in range(D):
-                    acc[d] += p * v[layer, h, t, d]
-            for d in range(D):
-                out[i, h * D + d] = acc[d] / total
+                    out[i0 + i, h * D + d] = q[i, d]

@@ -9,12 +9,13 @@ from __future__ import annotations
 import functools
 import os
 
+import numba
 import numpy as np
 
 from . import checks
 from .config import GPT2Config
 from .errors import CacheFullError, ConfigError, GPT2NumbaError
-from .kernels import _attend, _bias_gelu, _layernorm, _write_kv
+from .kernels import ATTEND_TILE, _attend, _gelu, _head, _layernorm, _linear, _write_kv
 from .weights import GPT2Weights, load_weights, random_weights
 
 
@@ -42,6 +43,7 @@ class ModelCache:
         self.v = np.zeros(shape, np.float32)  # (n_layer, n_head, max_len, head_dim)
         self._lengths = np.zeros(config.n_layer, np.int64)  # (n_layer,)
         self._length = 0
+        self._work = _Workspace(config, self.max_len)
 
     @property
     def length(self) -> int:
@@ -151,33 +153,64 @@ def _embed(ids: np.ndarray, start: int, w: GPT2Weights) -> np.ndarray:
     return w.wte[ids] + w.wpe[start : start + len(ids)]
 
 
+def _split_k(T: int) -> bool:
+    """Whether a product over T tokens splits the weights' rows, rather than the tokens, across threads.
+
+    Measured on 2 cores with GPT-2 small's matrices: splitting the weights wins from
+    1 token to 256 (each thread reads only its part of them), except at 2 tokens,
+    where one matrix-vector product per thread wins; from 256 on, splitting the
+    tokens is as fast or faster and needs no partial sums.
+    """
+    return T != 2 and T <= 256
+
+
+class _Workspace:
+    """Activation buffers for up to max_len tokens, allocated once with the cache.
+
+    Reused by every call, never reallocated: fresh memory is slow to touch.
+    """
+
+    def __init__(self, cfg: GPT2Config, max_len: int):
+        C = cfg.n_embd
+        self.x = np.empty((max_len, C), np.float32)        # residual stream
+        self.h = np.empty((max_len, C), np.float32)        # layernorm out
+        self.qkv = np.empty((max_len, 3 * C), np.float32)  # [q | k | v]
+        self.a = np.empty((max_len, C), np.float32)        # attention out, heads side by side
+        self.f = np.empty((max_len, 4 * C), np.float32)    # MLP hidden
+        self._scratch = np.empty(0, np.float32)
+        self.max_len, self.width = max_len, 4 * C
+        # per head: a tile of queries and its scores over every visible key
+        self.attend = np.empty((cfg.n_head, ATTEND_TILE * (cfg.head_dim + max_len)), np.float32)
+
+    def scratch(self, T: int, threads: int) -> np.ndarray:
+        """Where matrix products land first: T rows, or T partial rows per thread (flat)."""
+        need = (threads if _split_k(T) else 1) * T * self.width
+        if self._scratch.size < need:  # once per cache, or when the thread count grows
+            self._scratch = np.empty(max(need, threads * min(self.max_len, 256) * self.width), np.float32)
+        return self._scratch
+
+
 def _forward(ids: np.ndarray, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
     """All blocks over T checked tokens at positions mc.length..; returns x of the last, (C,)."""
-    cfg = w.config
-    T, C, start = len(ids), cfg.n_embd, mc.length
-    eps = cfg.layer_norm_epsilon
-    x = _embed(ids, start, w)                # (T, C) residual stream
-    h = np.empty((T, C), np.float32)         # (T, C) layernorm out, then projections
-    qkv = np.empty((T, 3 * C), np.float32)   # (T, 3C) [q | k | v]
-    a = np.empty((T, C), np.float32)         # (T, C) attention out, heads side by side
-    f = np.empty((T, 4 * C), np.float32)     # (T, 4C) MLP hidden
+    cfg, work = w.config, mc._work
+    T, start, eps = len(ids), mc.length, cfg.layer_norm_epsilon
+    x, h, qkv, a, f = work.x[:T], work.h[:T], work.qkv[:T], work.a[:T], work.f[:T]
+    x[...] = _embed(ids, start, w)
+    threads = numba.get_num_threads()
+    linear = functools.partial(_linear, scratch=work.scratch(T, threads), n_blocks=threads, split_k=_split_k(T))
     try:
-        for layer in range(cfg.n_layer):
-            _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
-            np.matmul(h, w.c_attn_w[layer], out=qkv)
-            qkv += w.c_attn_b[layer]
-            _write_kv(qkv, mc.k, mc.v, mc._lengths, layer, start)
-            _attend(qkv, mc.k, mc.v, layer, start, a)
-            np.matmul(a, w.attn_c_proj_w[layer], out=h)
-            x += h
-            x += w.attn_c_proj_b[layer]
+        with _one_blas_thread():
+            for layer in range(cfg.n_layer):
+                _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
+                linear(h, w.c_attn_w[layer], w.c_attn_b[layer], out=qkv, accumulate=False)
+                _write_kv(qkv, mc.k, mc.v, mc._lengths, layer, start)
+                _attend(qkv, mc.k, mc.v, layer, start, a, work.attend)
+                linear(a, w.attn_c_proj_w[layer], w.attn_c_proj_b[layer], out=x, accumulate=True)
 
-            _layernorm(x, w.ln_2_g[layer], w.ln_2_b[layer], eps, h)
-            np.matmul(h, w.c_fc_w[layer], out=f)
-            _bias_gelu(f, w.c_fc_b[layer])
-            np.matmul(f, w.mlp_c_proj_w[layer], out=h)
-            x += h
-            x += w.mlp_c_proj_b[layer]
+                _layernorm(x, w.ln_2_g[layer], w.ln_2_b[layer], eps, h)
+                linear(h, w.c_fc_w[layer], w.c_fc_b[layer], out=f, accumulate=False)
+                _gelu(f)
+                linear(f, w.mlp_c_proj_w[layer], w.mlp_c_proj_b[layer], out=x, accumulate=True)
     except BaseException:
         mc._lengths[:] = start  # the rows written past start mean nothing again
         raise
@@ -193,4 +226,32 @@ def _logits(x_last: np.ndarray, w: GPT2Weights) -> np.ndarray:
     # (C,) -> (V,): ln_f, then the tied head wte for this one row
     h = np.empty((1, w.config.n_embd), np.float32)
     _layernorm(x_last[None, :], w.ln_f_g, w.ln_f_b, w.config.layer_norm_epsilon, h)
-    return w.wte @ h[0]
+    logits = np.empty(w.config.vocab_size, np.float32)
+    with _one_blas_thread():
+        _head(w.wte, h[0], logits, numba.get_num_threads())
+    return logits
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_controller():
+    import scipy.linalg.cython_blas  # noqa: F401  (the BLAS Numba calls; load it before looking)
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
+
+
+def _one_blas_thread():
+    """Pin every BLAS library to one thread for the duration: our Numba threads are the parallelism."""
+    return _blas_controller().limit(limits=1, user_api="blas")
+
+
+def set_threads(n: int) -> None:
+    """Use ``n`` threads (1 to the number Numba started with, by default the cores)."""
+    top = numba.config.NUMBA_NUM_THREADS
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or not 1 <= n <= top:
+        raise ConfigError(f"threads must be an integer in [1, {top}], got {n!r}")
+    numba.set_num_threads(int(n))
+
+
+def get_threads() -> int:
+    return numba.get_num_threads()

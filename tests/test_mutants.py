@@ -47,11 +47,11 @@ def test_catches_positions_restarting_per_chunk(tiny, ids, monkeypatch):
 
 
 def test_catches_mask_leaking_the_next_position(tiny, ids, monkeypatch):
-    def leaky(qkv, k, v, layer, start, out):
+    def leaky(qkv, k, v, layer, start, out, scratch):
         # query j sits at start + j but is handed positions up to start + j + 1
         T = qkv.shape[0]
-        kernels._attend(qkv[:-1], k, v, layer, start + 1, out[:-1])
-        kernels._attend(qkv[-1:], k, v, layer, start + T - 1, out[-1:])  # no row past the last
+        kernels._attend(qkv[:-1], k, v, layer, start + 1, out[:-1], scratch)
+        kernels._attend(qkv[-1:], k, v, layer, start + T - 1, out[-1:], scratch)  # no row past the last
     monkeypatch.setattr(kvcache, "_attend", leaky)
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")
