@@ -85,3 +85,25 @@ def test_attend(shape, seed, data):
         scores = np.where(visible, scores, -np.inf)
         ref[:, h * D:(h + 1) * D] = oracle.softmax(scores) @ vv
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-4)
+
+
+@given(T=st.integers(1, 12), K=dims, N=dims, n_blocks=st.integers(1, 3), split_k=st.booleans(),
+       accumulate=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_linear(T, K, N, n_blocks, split_k, accumulate, seed):
+    """out (+)= x @ w + b, whichever way the work is split, even into more blocks than rows."""
+    rng = np.random.default_rng(seed)
+    x, w, b, out = randn(rng, T, K), randn(rng, K, N), randn(rng, N), randn(rng, T, N)
+    ref = (out.astype(np.float64) if accumulate else 0) + x.astype(np.float64) @ w + b
+    scratch = np.empty(n_blocks * T * N, np.float32)
+    with threadpool_limits(1, user_api="blas"):
+        kernels._linear(x, w, b, scratch, out, accumulate, n_blocks, split_k)
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@given(V=st.integers(1, 300), C=dims, n_blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_head(V, C, n_blocks, seed):
+    rng = np.random.default_rng(seed)
+    wte, h, out = randn(rng, V, C), randn(rng, C), np.empty(V, np.float32)
+    with threadpool_limits(1, user_api="blas"):
+        kernels._head(wte, h, out, n_blocks)
+    np.testing.assert_allclose(out, wte.astype(np.float64) @ h, atol=1e-4, rtol=1e-4)
