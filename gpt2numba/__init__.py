@@ -10,15 +10,27 @@ from .errors import (
     TokenError,
     TokenTypeError,
 )
-from .kvcache import ModelCache, decode_step, default_weights, embed_token, prefill, run_prefill
+from .kvcache import (
+    ModelCache,
+    decode_step,
+    default_weights,
+    embed_token,
+    get_threads,
+    prefill,
+    run_prefill,
+    set_threads,
+)
 from .oracle import recompute_logits
+from .sample import Sampler, SamplingError, generate, generate_text
+from .tokenizer import Tokenizer, load_tokenizer
 from .weights import GPT2Weights, load_weights, random_weights, save_weights
 
 __all__ = [
     "GPT2Config", "GPT2Weights", "ModelCache",
     "load_weights", "random_weights", "save_weights", "default_weights",
     "prefill", "decode_step", "embed_token", "run_prefill", "recompute_logits",
+    "generate", "generate_text", "Sampler", "load_tokenizer", "Tokenizer", "set_threads", "get_threads",
     "GPT2NumbaError", "TokenError", "TokenTypeError", "CacheFullError",
-    "ConfigError", "CheckpointError", "CheckpointNotFoundError",
+    "ConfigError", "CheckpointError", "CheckpointNotFoundError", "SamplingError",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Command line: ``gpt2numba check`` (also ``python -m gpt2numba``)."""
+"""Command line: gpt2numba generate | check | bench (also python -m gpt2numba)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -16,26 +17,53 @@ from .oracle import recompute_logits
 from .weights import load_weights
 
 ATOL, RTOL = 1e-3, 1e-2  # the tolerance the test suite holds cached logits to
+RANDOM_NOTE = "random GPT-2 small weights (seed 0): the text is meaningless; pass --model for a real checkpoint"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpt2numba", description=__doc__)
+    parser = argparse.ArgumentParser(prog="gpt2numba", description="GPT-2 inference on the CPU with Numba.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    model_help = ("checkpoint directory, .safetensors file, or a Hugging Face name such as "
+                  "openai-community/gpt2 (needs the [hub] extra and network); default: $GPT2NUMBA_WEIGHTS, "
+                  "else seeded random GPT-2 small")
+
+    gen = commands.add_parser("generate", help="continue a prompt, streaming text as it is produced",
+                              description="Continue PROMPT, printing text as it is produced; "
+                              "a one-line summary goes to stderr.")
+    gen.add_argument("prompt", metavar="PROMPT")
+    gen.add_argument("--model", help=model_help)
+    gen.add_argument("--max-new-tokens", type=_at_least(0), default=50, metavar="N", help="default 50")
+    gen.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 is greedy (default 1.0)")
+    gen.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens")
+    gen.add_argument("--top-p", type=float, metavar="P", help="sample from the smallest set of mass P")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="default 1.0 (off)")
+    gen.add_argument("--seed", type=int, help="make the output reproducible")
+    gen.add_argument("--no-stop", action="store_true", help="go on past <|endoftext|>")
+    gen.add_argument("--slide", action="store_true",
+                     help="at the end of the context, drop the oldest tokens and go on")
+
     check = commands.add_parser(
-        "check",
-        help="prefill random prompts, decode greedily, compare every logit with the float64 oracle",
+        "check", help="prefill random prompts, decode greedily, compare every logit with the float64 oracle",
         description="Prefill random prompts, decode greedily, and compare every step's logits with "
-        "the float64 oracle. Exits 1 on a mismatch.",
-    )
-    check.add_argument("--model", help="checkpoint directory or .safetensors file "
-                       "(default: $GPT2NUMBA_WEIGHTS, else seeded random GPT-2 small)")
-    check.add_argument("--prompts", type=_positive, default=3, help="random prompts to try (default 3)")
-    check.add_argument("--prompt-len", type=_positive, default=64, help="tokens per prompt (default 64)")
-    check.add_argument("--decode", type=_non_negative, default=8, help="greedy steps after each prefill (default 8)")
+        "the float64 oracle. Exits 1 on a mismatch.")
+    check.add_argument("--model", help=model_help)
+    check.add_argument("--prompts", type=_at_least(1), default=3, help="random prompts to try (default 3)")
+    check.add_argument("--prompt-len", type=_at_least(1), default=64, help="tokens per prompt (default 64)")
+    check.add_argument("--decode", type=_at_least(0), default=8, help="greedy steps after each prefill (default 8)")
     check.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+
+    bench = commands.add_parser("bench", help="prefill and decode timings (profiling/bench.py)",
+                                description="Prefill and decode timings; see profiling/bench.py --help.",
+                                add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+
     args = parser.parse_args(argv)
     try:
-        return _check(args)
+        if args.command == "bench":
+            from .bench import main as bench_main
+
+            return bench_main(args.rest)
+        return {"generate": _generate, "check": _check}[args.command](args)
     except (GPT2NumbaError, OSError) as e:
         print(f"gpt2numba: error: {e}", file=sys.stderr)
         return 1
@@ -43,13 +71,66 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def resolve_model(model: str | None):
+    """(weights, checkpoint path or None, description) for a --model value."""
+    if model is None:
+        env = os.environ.get("GPT2NUMBA_WEIGHTS")
+        return kvcache.default_weights(), env, env or RANDOM_NOTE
+    path = Path(model)
+    if not path.exists() and model.count("/") == 1 and not model.startswith((".", "/")):
+        path = _download(model)
+    return load_weights(path), path, str(model)
+
+
+def _download(name: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise GPT2NumbaError(f"{name!r} is not a local path; fetching it from the Hugging Face hub needs "
+                             "huggingface_hub: pip install 'gpt2numba[hub]'") from None
+    try:
+        return Path(snapshot_download(name, allow_patterns=[
+            "config.json", "model.safetensors", "tokenizer.json", "vocab.json", "merges.txt"]))
+    except Exception as e:  # the hub's errors are many; all mean "not available here"
+        raise GPT2NumbaError(f"cannot fetch {name!r} from the Hugging Face hub: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def _generate(args) -> int:
+    from .sample import generate
+    from .tokenizer import load_tokenizer
+
+    t0 = time.perf_counter()
+    w, path, source = resolve_model(args.model)
+    tokenizer = load_tokenizer(path)
+    if path is None:
+        print(f"gpt2numba: {RANDOM_NOTE}", file=sys.stderr)
+    ids = tokenizer.encode(args.prompt) or [tokenizer.eot_id]
+    tokens = generate(ids, w, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                      seed=args.seed, stop_at_eos=not args.no_stop, slide=args.slide)
+    decode = tokenizer.stream_decoder()
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    t_start = time.perf_counter()
+    stamps = []
+    for token in tokens:
+        stamps.append(time.perf_counter())
+        if token != tokenizer.eot_id:
+            sys.stdout.write(decode(token))
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    prefill_s = (stamps[0] - t_start) if stamps else 0.0
+    decode_ms = 1e3 * np.median(np.diff(stamps)) if len(stamps) > 1 else float("nan")
+    print(f"gpt2numba: {len(ids)} prompt tokens, {len(stamps)} new tokens; prefill {len(ids) / max(prefill_s, 1e-9):.0f} "
+          f"tokens/s (first token after {prefill_s:.2f} s), decode {decode_ms:.1f} ms/token; "
+          f"{time.perf_counter() - t0:.1f} s in all", file=sys.stderr)
+    return 0
+
+
 def _check(args) -> int:
     t0 = time.perf_counter()
-    if args.model:
-        w, source = load_weights(args.model), args.model
-    else:
-        w = kvcache.default_weights()
-        source = os.environ.get("GPT2NUMBA_WEIGHTS") or "random GPT-2 small weights (seed 0)"
+    w, _, source = resolve_model(args.model)
     cfg = w.config
     print(f"weights: {source}: {cfg.n_layer} layers, {cfg.n_head} heads, n_embd {cfg.n_embd}, "
           f"vocab {cfg.vocab_size}; loaded in {time.perf_counter() - t0:.2f} s")
@@ -93,15 +174,13 @@ def _compare(logits, ids, w) -> tuple[float, bool]:
     return float(np.abs(logits - ref).max()), bool(ok)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse

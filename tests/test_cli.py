@@ -40,5 +40,27 @@ def test_errors_are_one_line(tmp_path):
 
 
 def test_help():
-    assert "check" in run("--help").stdout
+    assert "generate" in run("--help").stdout
     assert "--prompt-len" in run("check", "--help").stdout
+    assert "--top-p" in run("generate", "--help").stdout
+
+
+def test_generate_streams_text_and_a_summary():
+    r = run("generate", "Hello world", "--max-new-tokens", "8", "--seed", "3", "--top-k", "40")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Hello world") and len(r.stdout) > len("Hello world\n")
+    assert "random GPT-2 small weights" in r.stderr and "2 prompt tokens, 8 new tokens" in r.stderr
+    again = run("generate", "Hello world", "--max-new-tokens", "8", "--seed", "3", "--top-k", "40")
+    assert again.stdout == r.stdout
+
+
+def test_generate_bad_settings_are_one_line():
+    for args, match in [(["--temperature", "-1"], "temperature"), (["--top-p", "2"], "top_p"),
+                        (["--max-new-tokens", "2000"], "context of 1024")]:
+        r = run("generate", "Hi", *args)
+        assert r.returncode == 1 and match in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unknown_hub_model_is_one_line():
+    r = run("generate", "Hi", "--model", "nobody/no-such-model", env={"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "no-such-model" in r.stderr

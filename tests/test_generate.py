@@ -1,0 +1,113 @@
+"""Sampling and generation: greedy equals the oracle, top-k/top-p stay in their sets, seeds repeat."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gpt2numba as g
+from conftest import TINY
+
+logit_vectors = st.lists(st.floats(-20, 20), min_size=2, max_size=60, unique=True).map(
+    lambda x: np.array(x, np.float32))
+
+
+def test_greedy_follows_the_oracle(tiny):
+    """Temperature 0: every token is the argmax of the oracle's logits for the sequence so far."""
+    prompt = [5, 77, 300]
+    tokens = list(g.generate(prompt, tiny, max_new_tokens=12, temperature=0, stop_at_eos=False))
+    assert len(tokens) == 12
+    seq = list(prompt)
+    for token in tokens:
+        assert token == int(np.argmax(g.recompute_logits(seq, tiny)))
+        seq.append(token)
+
+
+@given(z=logit_vectors, k=st.integers(1, 10), seed=st.integers(0, 2**32 - 1))
+def test_top_k_stays_in_the_k_best(z, k, seed):
+    best = set(np.argsort(-z)[:k].tolist())
+    sampler = g.Sampler(temperature=1.5, top_k=k)
+    rng = np.random.default_rng(seed)
+    assert all(sampler(z, [], rng) in best for _ in range(20))
+
+
+@given(z=logit_vectors, p=st.floats(0.01, 1.0), seed=st.integers(0, 2**32 - 1))
+def test_top_p_stays_in_the_smallest_set_reaching_p(z, p, seed):
+    probs = np.exp(z.astype(np.float64) - z.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    mass = np.cumsum(probs[order])
+    n = int(np.argmax(mass >= p * (1 - 1e-9))) + 1  # smallest prefix reaching p
+    allowed = set(order[:n].tolist())
+    sampler = g.Sampler(top_p=p)
+    rng = np.random.default_rng(seed)
+    assert all(sampler(z, [], rng) in allowed for _ in range(20))
+
+
+def test_sampling_follows_the_distribution():
+    z = np.log(np.array([0.5, 0.3, 0.2], np.float32))
+    rng = np.random.default_rng(0)
+    counts = np.bincount([g.Sampler()(z, [], rng) for _ in range(4000)], minlength=3) / 4000
+    np.testing.assert_allclose(counts, [0.5, 0.3, 0.2], atol=0.03)
+
+
+def test_repetition_penalty():
+    z = np.array([2.0, 1.9, -1.0, -1.1], np.float32)
+    greedy = g.Sampler(temperature=0, repetition_penalty=1.2)
+    assert greedy(z, [0], None) == 1  # 2.0 / 1.2 < 1.9
+    assert greedy(z, [], None) == 0
+
+
+@given(seed=st.integers(0, 2**32 - 1))
+def test_same_seed_same_tokens(tiny, seed):
+    run = lambda: list(g.generate([1, 2, 3], tiny, max_new_tokens=8, top_k=50, top_p=0.9, seed=seed))  # noqa: E731
+    assert run() == run()
+
+
+def test_stops_at_eos(tiny):
+    """A bias that makes <|endoftext|> (id 50256 in GPT-2; the last id here) certain."""
+    import dataclasses
+
+    cfg = dataclasses.replace(TINY, vocab_size=50257)
+    w = g.random_weights(cfg, seed=0)
+    wte = w.wte.copy()
+    wte[50256] = 10.0  # with ln_f's output all ones, its logit is 10 n_embd, the rest near 0
+    w = dataclasses.replace(w, wte=wte, ln_f_g=np.zeros_like(w.ln_f_g), ln_f_b=np.ones_like(w.ln_f_b))
+    assert list(g.generate([1], w, max_new_tokens=5, temperature=0)) == [50256]
+    assert list(g.generate([1], w, max_new_tokens=5, temperature=0, stop_at_eos=False)) == [50256] * 5
+
+
+def test_context_limit(tiny):
+    n = TINY.n_positions
+    with pytest.raises(g.CacheFullError, match=f"passes the model's context of {n}"):
+        g.generate(list(range(n - 2)), tiny, max_new_tokens=3)
+    tokens = list(g.generate(list(range(n - 2)), tiny, max_new_tokens=10, temperature=0, stop_at_eos=False,
+                             slide=True))
+    assert len(tokens) == 10
+    # The cache fills after 3 new tokens (n + 1 ids, the last not yet fed); the slide keeps
+    # the newest n // 2 of them at positions 0.., so every later token is greedy on that window.
+    seq = list(range(n - 2)) + tokens
+    kept_from = n + 1 - n // 2
+    for end in range(n + 1, len(seq)):
+        assert seq[end] == int(np.argmax(g.recompute_logits(seq[kept_from:end], tiny)))
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=0), "top_k"), (dict(top_k=2.5), "top_k"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(max_new_tokens=-1), "max_new_tokens"), (dict(seed="x"), "seed"),
+])
+def test_bad_settings(tiny, options, match):
+    options = {"max_new_tokens": 3, **options}
+    with pytest.raises(g.SamplingError, match=match):
+        g.generate([1, 2], tiny, **options)
+
+
+def test_generate_text_streams_pieces(tiny):
+    w = g.default_weights()
+    pieces = list(g.generate_text("Hello world", w, max_new_tokens=10, seed=0, stop_at_eos=False))
+    tok = g.load_tokenizer()
+    tokens = list(g.generate(tok.encode("Hello world"), w, max_new_tokens=10, seed=0, stop_at_eos=False))
+    assert "".join(pieces) == tok.decode(tokens)
