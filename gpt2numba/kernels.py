@@ -184,3 +184,13 @@ def _attend(qkv, k, v, layer, start, out, scratch):
             for i in range(m):
                 for d in range(D):
                     out[i0 + i, h * D + d] = q[i, d]
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _stream_sum(a):
+    """Sum of a 1-D float32 array, one contiguous block per thread: a read-bandwidth probe."""
+    n = a.size
+    total = 0.0
+    for i in prange(n):
+        total += a[i]
+    return total

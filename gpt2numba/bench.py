@@ -1,0 +1,464 @@
+"""Benchmark: gpt2numba and Hugging Face transformers on the same weights, beside this machine's floors.
+
+    gpt2numba bench [--model DIR] [--threads 2] [--json bench.json]   (or python profiling/bench.py)
+
+Prefill time at several prompt lengths, decode ms/token at several contexts, cold
+start (a new process from import to the first logits) and peak resident memory
+(prefill 512, decode 128). The two systems alternate run by run (A B A B ...) so
+drift on a shared machine hits both. The floors come from this machine in the
+same run: streaming read bandwidth (decode reads every weight once per token) and
+float32 GEMM rate at a GPT-2 shape (prefill is matrix products). transformers
+and torch are optional (pip install 'gpt2numba[bench]'); without them only our
+figures and the floors are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+GEMM_SHAPE = (512, 768, 3072)  # (tokens, n_embd, 4 n_embd): GPT-2 small's c_fc at 512 tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpt2numba bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint directory (default: seeded random GPT-2 small, written to a temp dir)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lengths", type=int, nargs="+", default=[16, 128, 512, 1024], help="prompt lengths")
+    p.add_argument("--contexts", type=int, nargs="+", default=[16, 128, 900], help="decode after these")
+    p.add_argument("--repeat", type=int, default=5, help="prefill runs per length (median)")
+    p.add_argument("--steps", type=int, default=64, help="decode steps per context (median)")
+    p.add_argument("--bandwidth-mib", type=int, default=1024, help="array size for the read-bandwidth floor")
+    p.add_argument("--no-transformers", action="store_true", help="only gpt2numba and the floors")
+    p.add_argument("--no-processes", action="store_true", help="skip cold start and peak memory")
+    p.add_argument("--json", type=Path, help="write every figure here")
+    args = p.parse_args(argv)
+
+    import gpt2numba as g
+
+    g.set_threads(args.threads)
+    report = {"threads": args.threads, "machine": _machine()}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model:
+            model_dir = Path(args.model)
+        else:
+            model_dir = Path(tmp, "gpt2-small-random")
+            g.save_weights(g.random_weights(g.GPT2Config.small(), seed=0), model_dir)
+        w = g.load_weights(model_dir)
+        report["model"] = str(args.model or "random GPT-2 small (seed 0)")
+        report["floors"] = floors = _floors(w, args)
+        # Each system in its own process: two thread pools in one process fight for the
+        # cores (each spins while the other works) and slow both several-fold.
+        ours = _Remote("ours", model_dir, args.threads)
+        theirs = None if args.no_transformers else _Remote("theirs", model_dir, args.threads)
+        if theirs and theirs.version is None:
+            print("transformers or torch is not installed: printing gpt2numba and the floors only "
+                  "(pip install 'gpt2numba[bench]')", file=sys.stderr)
+            theirs.close()
+            theirs = None
+        report["transformers"] = theirs.version if theirs else None
+        try:
+            report["prefill"] = _prefill_runs(ours, theirs, w, args)
+            report["decode"] = _decode_runs(ours, theirs, w, args)
+        finally:
+            for remote in (ours, theirs):
+                if remote:
+                    remote.close()
+        if not args.no_processes:
+            report["cold_start"] = _cold_start(model_dir, theirs is not None)
+            report["peak_rss_mb"] = _peak_rss(model_dir, theirs is not None, w.config)
+    _print(report, floors)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+# --- the two systems, behind the same three calls -------------------------------------------------
+
+class _Ours:
+    name = "gpt2numba"
+
+    def __init__(self, g, w):
+        self.g, self.w = g, w
+        self.mc = g.ModelCache(w.config)
+
+    def prefill(self, ids):
+        self.mc.reset()
+        return self.g.prefill(ids, self.w, self.mc)
+
+    def decode(self, token):
+        return self.g.decode_step(token, self.w, self.mc)
+
+
+class _Theirs:
+    name = "transformers"
+
+    def __init__(self, torch, model, version):
+        self.torch, self.model, self.version = torch, model, version
+        self.past = None
+
+    def prefill(self, ids):
+        with self.torch.inference_mode():
+            out = self.model(self.torch.as_tensor(np.asarray(ids)[None]), use_cache=True)
+        self.past = out.past_key_values
+        return out.logits[0, -1].numpy()
+
+    def decode(self, token):
+        with self.torch.inference_mode():
+            out = self.model(self.torch.tensor([[token]]), past_key_values=self.past, use_cache=True)
+        self.past = out.past_key_values
+        return out.logits[0, -1].numpy()
+
+
+def _transformers(model_dir, threads):
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(threads)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    model = transformers.GPT2LMHeadModel.from_pretrained(str(model_dir)).eval()
+    return _Theirs(torch, model, f"transformers {transformers.__version__}, torch {torch.__version__}")
+
+
+class _Remote:
+    """One system in a worker process; call() runs one prefill or decode there and times it."""
+
+    def __init__(self, kind, model_dir, threads):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(kind, str(model_dir), threads, child), daemon=True)
+        self.process.start()
+        self.name, self.version = self.conn.recv()
+
+    def call(self, method, arg, logits=False):
+        """(seconds, argmax, logits or None) of system.method(arg), timed in the worker."""
+        time.sleep(0.02)  # let the other process's threads stop spinning
+        self.conn.send((method, arg, logits))
+        reply = self.conn.recv()
+        if isinstance(reply, str):
+            raise RuntimeError(f"{self.name} failed: {reply}")
+        return reply
+
+    def close(self):
+        self.conn.send(None)
+        self.process.join(timeout=30)
+
+
+def _serve(kind, model_dir, threads, conn):
+    if kind == "ours":
+        import gpt2numba as g
+
+        g.set_threads(threads)
+        system, version = _Ours(g, g.load_weights(model_dir)), "gpt2numba"
+    else:
+        system = _transformers(model_dir, threads)
+        version = system.version if system else None
+    conn.send((kind == "ours" and "gpt2numba" or "transformers", version))
+    while (msg := conn.recv()) is not None:
+        method, arg, want_logits = msg
+        try:
+            t = time.perf_counter()
+            out = getattr(system, method)(arg)
+            seconds = time.perf_counter() - t
+            conn.send((seconds, int(np.argmax(out)), out if want_logits else None))
+        except Exception as e:  # reported to the parent, which stops the run
+            conn.send(f"{type(e).__name__}: {e}")
+
+
+# --- the machine's floors ---------------------------------------------------------------------------
+
+def _floors(w, args):
+    from threadpoolctl import threadpool_limits
+
+    from .kernels import _stream_sum
+
+    wait_for_idle()
+    a = np.ones(args.bandwidth_mib * 2**20 // 4, np.float32)
+    _stream_sum(a)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        _stream_sum(a)
+        times.append(time.perf_counter() - t)
+    bandwidth = a.nbytes / min(times)  # the best pass: what the memory can do
+    del a
+    M, K, N = GEMM_SHAPE
+    x, b, out = np.ones((M, K), np.float32), np.ones((K, N), np.float32), np.empty((M, N), np.float32)
+    with threadpool_limits(args.threads, user_api="blas"):
+        np.matmul(x, b, out=out)
+        times = []
+        for _ in range(10):
+            t = time.perf_counter()
+            np.matmul(x, b, out=out)
+            times.append(time.perf_counter() - t)
+    gemm = 2 * M * K * N / min(times)
+    cfg = w.config
+    # decode reads every matrix once, the output head included, but only one row of wpe
+    decode_bytes = w.nbytes - w.wpe.nbytes
+    return {"read_gb_s": bandwidth / 1e9, "gemm_gflop_s": gemm / 1e9, "decode_bytes": decode_bytes,
+            "decode_floor_ms": 1e3 * decode_bytes / bandwidth,
+            "prefill_floor_ms": {T: 1e3 * _prefill_flops(cfg, T) / gemm for T in args.lengths}}
+
+
+def _prefill_flops(cfg, T):
+    """Multiply-adds x 2 of a T-token prefill: the blocks' matrices, attention, one row of the head."""
+    C, L = cfg.n_embd, cfg.n_layer
+    matrices = 2 * T * L * (C * 3 * C + C * C + 2 * C * 4 * C)
+    attention = 2 * 2 * L * C * T * (T + 1) / 2  # scores and weighted values over the causal triangle
+    return matrices + attention + 2 * cfg.vocab_size * C
+
+
+# --- alternating runs --------------------------------------------------------------------------------
+
+def _prefill_runs(ours, theirs, w, args):
+    rng = np.random.default_rng(0)
+    systems = [s for s in (ours, theirs) if s]
+    results = {}
+    for T in args.lengths:
+        if T > w.config.n_positions:
+            continue
+        ids = rng.integers(0, w.config.vocab_size, T)
+        logits = {s.name: s.call("prefill", ids, logits=True)[2] for s in systems}  # warm-up; must agree
+        times = {s.name: [] for s in systems}
+        wait_for_idle()
+        with _Load(*(s.process.pid for s in systems)) as load:
+            for _ in range(args.repeat):
+                for s in systems:
+                    times[s.name].append(s.call("prefill", ids)[0])
+        results[T] = {name: _stats(ts) for name, ts in times.items()}
+        results[T]["others_cpu"] = load.share
+        if theirs:
+            results[T]["max_abs_logit_diff"] = float(np.abs(logits["gpt2numba"] - logits["transformers"]).max())
+    return results
+
+
+def _decode_runs(ours, theirs, w, args):
+    rng = np.random.default_rng(1)
+    systems = [s for s in (ours, theirs) if s]
+    results = {}
+    for context in args.contexts:
+        if context + args.steps + 1 > w.config.n_positions:
+            continue
+        ids = rng.integers(0, w.config.vocab_size, context)
+        tokens = {s.name: s.call("prefill", ids)[1] for s in systems}
+        for s in systems:  # one untimed step each: warm-up
+            tokens[s.name] = s.call("decode", tokens[s.name])[1]
+        times = {s.name: [] for s in systems}
+        wait_for_idle()
+        with _Load(*(s.process.pid for s in systems)) as load:
+            for _ in range(args.steps):
+                for s in systems:
+                    seconds, tokens[s.name], _ = s.call("decode", tokens[s.name])
+                    times[s.name].append(seconds)
+        results[context] = {name: _stats(ts) for name, ts in times.items()}
+        results[context]["others_cpu"] = load.share
+        if theirs:
+            results[context]["same_greedy_tokens"] = tokens["gpt2numba"] == tokens["transformers"]
+    return results
+
+
+def _stats(seconds):
+    ms = 1e3 * np.asarray(seconds)
+    return {"median_ms": float(np.median(ms)), "min_ms": float(ms.min()), "max_ms": float(ms.max()), "n": len(ms)}
+
+
+# --- new processes: cold start and peak memory ----------------------------------------------------
+
+_OURS_FIRST = """
+import time; t0 = time.perf_counter()
+import sys, gpt2numba as g
+w = g.load_weights(sys.argv[1])
+g.prefill([1, 2, 3], w, g.ModelCache(w.config))
+print(time.perf_counter() - t0)
+"""
+_THEIRS_FIRST = """
+import time; t0 = time.perf_counter()
+import sys, torch, transformers
+transformers.logging.set_verbosity_error()
+torch.set_num_threads(2)
+m = transformers.GPT2LMHeadModel.from_pretrained(sys.argv[1]).eval()
+with torch.inference_mode():
+    m(torch.tensor([[1, 2, 3]]))
+print(time.perf_counter() - t0)
+"""
+_OURS_RSS = """
+import sys, numpy as np, gpt2numba as g
+w = g.load_weights(sys.argv[1]); mc = g.ModelCache(w.config)
+ids = np.random.default_rng(0).integers(0, w.config.vocab_size, 512)
+token = int(g.prefill(ids, w, mc).argmax())
+for _ in range(128):
+    token = int(g.decode_step(token, w, mc).argmax())
+print(peak_rss_mb())
+"""
+_THEIRS_RSS = """
+import sys, numpy as np, torch, transformers
+transformers.logging.set_verbosity_error()
+torch.set_num_threads(2)
+m = transformers.GPT2LMHeadModel.from_pretrained(sys.argv[1]).eval()
+ids = torch.as_tensor(np.random.default_rng(0).integers(0, m.config.vocab_size, 512)[None])
+with torch.inference_mode():
+    out = m(ids, use_cache=True)
+    for _ in range(128):
+        out = m(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+print(peak_rss_mb())
+"""
+# ru_maxrss survives execve on Linux (a child reports its parent's peak); VmHWM does not.
+_PEAK_RSS = """
+def peak_rss_mb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+"""
+
+
+def _run(script, model_dir, env=None):
+    out = subprocess.run([sys.executable, "-c", script, str(model_dir)], capture_output=True, text=True,
+                         env={**os.environ, **(env or {})}, timeout=900)
+    if out.returncode:
+        raise RuntimeError(f"benchmark subprocess failed: {out.stderr.strip().splitlines()[-1:]}")
+    return float(out.stdout.split()[-1])
+
+
+def _cold_start(model_dir, with_theirs):
+    wait_for_idle()
+    result = {}
+    with tempfile.TemporaryDirectory() as numba_cache:
+        empty = {"NUMBA_CACHE_DIR": numba_cache}
+        result["gpt2numba_compiling_s"] = _run(_OURS_FIRST, model_dir, empty)
+        result["gpt2numba_warm_cache_s"] = _run(_OURS_FIRST, model_dir, empty)
+    if with_theirs:
+        _run(_THEIRS_FIRST, model_dir)  # let the OS cache torch's libraries, as ours are
+        result["transformers_s"] = _run(_THEIRS_FIRST, model_dir)
+    return result
+
+
+def _peak_rss(model_dir, with_theirs, cfg):
+    if cfg.n_positions < 640:
+        return {}
+    if not os.path.exists("/proc/self/status"):
+        return {}
+    result = {"gpt2numba": _run(_PEAK_RSS + _OURS_RSS, model_dir)}
+    if with_theirs:
+        result["transformers"] = _run(_PEAK_RSS + _THEIRS_RSS, model_dir)
+    return result
+
+
+# --- a shared machine: wait for quiet, and say how loud it was -----------------------------------
+
+def _busy_jiffies():
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)  # (busy, total): idle and iowait excluded
+
+
+class _Load:
+    """Share of the machine's CPU that processes other than the benchmark's used during a block."""
+
+    def __init__(self, *pids):
+        self.pids = pids
+
+    def __enter__(self):
+        self.share = None
+        if os.path.exists("/proc/stat"):
+            self._start = (_busy_jiffies(), self._ours())
+        return self
+
+    def __exit__(self, *exc):
+        if os.path.exists("/proc/stat"):
+            (busy0, total0), ours0 = self._start
+            busy1, total1 = _busy_jiffies()
+            ours = self._ours() - ours0
+            self.share = max(0.0, (busy1 - busy0 - ours) / max(1, total1 - total0))
+
+    def _ours(self):
+        """Jiffies of CPU used by this process and its worker processes."""
+        total = 0
+        for pid in ("self", *self.pids):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total
+
+
+def wait_for_idle(threshold=0.1, patience_s=30.0):
+    """Wait (up to patience_s) until others use under ``threshold`` of the CPU over half a second."""
+    if not os.path.exists("/proc/stat"):
+        return
+    deadline = time.monotonic() + patience_s
+    while time.monotonic() < deadline:
+        (b0, t0) = _busy_jiffies()
+        time.sleep(0.5)
+        (b1, t1) = _busy_jiffies()
+        if (b1 - b0) / max(1, t1 - t0) < threshold:
+            return
+
+
+def _machine():
+    return {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
+
+
+# --- the table ----------------------------------------------------------------------------------------
+
+def _print(r, floors):
+    theirs = r["transformers"]
+    print(f"\ngpt2numba bench: {r['model']}, float32, {r['threads']} threads"
+          + (f"; against {theirs}" if theirs else ""))
+    print(f"floors: read {floors['read_gb_s']:.1f} GB/s -> decode floor {floors['decode_floor_ms']:.1f} ms/token "
+          f"({floors['decode_bytes'] / 1e6:.0f} MB of weights); GEMM {floors['gemm_gflop_s']:.0f} GFLOP/s "
+          f"at {'x'.join(map(str, GEMM_SHAPE))}")
+    print(f"\n{'prefill':>8} {'ours ms':>9} {'tok/s':>7} {'floor':>6}", end="")
+    print(f" {'theirs ms':>10} {'tok/s':>7} {'speedup':>8} {'|diff|':>8}" if theirs else "", end="")
+    print(f" {'others':>6}  (min-max ours)")
+    for T, row in r["prefill"].items():
+        o = row["gpt2numba"]
+        line = (f"{T:>8} {o['median_ms']:>9.1f} {1e3 * T / o['median_ms']:>7.0f} "
+                f"{o['median_ms'] / floors['prefill_floor_ms'][T]:>5.2f}x")
+        if theirs:
+            t = row["transformers"]
+            line += (f" {t['median_ms']:>10.1f} {1e3 * T / t['median_ms']:>7.0f} "
+                     f"{t['median_ms'] / o['median_ms']:>7.2f}x {row['max_abs_logit_diff']:>8.1e}")
+        print(line + f" {_pct(row['others_cpu']):>6}  ({o['min_ms']:.1f}-{o['max_ms']:.1f})")
+    print(f"\n{'decode':>8} {'ours ms':>9} {'floor':>6}", end="")
+    print(f" {'theirs ms':>10} {'ours/theirs':>11} {'same tokens':>11}" if theirs else "", end="")
+    print(f" {'others':>6}  (min-max ours)")
+    for context, row in r["decode"].items():
+        o = row["gpt2numba"]
+        line = f"{context:>8} {o['median_ms']:>9.2f} {o['median_ms'] / floors['decode_floor_ms']:>5.2f}x"
+        if theirs:
+            t = row["transformers"]
+            line += (f" {t['median_ms']:>10.2f} {o['median_ms'] / t['median_ms']:>10.2f}x "
+                     f"{str(row['same_greedy_tokens']):>11}")
+        print(line + f" {_pct(row['others_cpu']):>6}  ({o['min_ms']:.2f}-{o['max_ms']:.2f})")
+    if "cold_start" in r:
+        c = r["cold_start"]
+        print(f"\ncold start, new process to first logits: gpt2numba {c['gpt2numba_warm_cache_s']:.2f} s with "
+              f"Numba's cache warm, {c['gpt2numba_compiling_s']:.2f} s compiling"
+              + (f"; transformers {c['transformers_s']:.2f} s" if "transformers_s" in c else ""))
+    if r.get("peak_rss_mb"):
+        m = r["peak_rss_mb"]
+        print("peak RSS, prefill 512 + decode 128: " + ", ".join(f"{k} {v:.0f} MB" for k, v in m.items()))
+
+
+def _pct(share):
+    return "-" if share is None else f"{100 * share:.0f}%"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
