@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -159,13 +160,45 @@ def load_weights(path: str | Path) -> GPT2Weights:
     else:
         file = path
     try:
-        with safe_open(str(file), framework="numpy") as f:
-            return _read(f, file, config)
+        # The library checks the file (header, offsets, size) and lists the tensors;
+        # their bytes we read ourselves, straight into the stacked arrays: its
+        # get_tensor would copy each one out of a memory map that, once read, counts
+        # against the process's resident memory beside our copy, doubling the peak.
+        with safe_open(str(file), framework="numpy") as f, open(file, "rb", buffering=0) as raw:
+            return _read(f, _TensorReader(raw), file, config)
     except SafetensorError as e:
         raise CheckpointError(f"{str(file)!r} is not a readable safetensors file: {e}") from None
 
 
-def _read(f, file: Path, config: GPT2Config | None) -> GPT2Weights:
+class _TensorReader:
+    """Reads a tensor's bytes from a safetensors file into a float32 array."""
+
+    _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+
+    def __init__(self, raw):
+        self.raw = raw
+        header_len = int.from_bytes(raw.read(8), "little")
+        self.header = json.loads(raw.read(header_len))
+        self.data_start = 8 + header_len
+
+    def read_into(self, name: str, dest: np.ndarray) -> None:
+        info = self.header[name]
+        dtype = info["dtype"]
+        if dtype not in self._DTYPES:
+            raise CheckpointError(f"tensor {name!r} has dtype {dtype}; expected F32, F16 or BF16")
+        self.raw.seek(self.data_start + info["data_offsets"][0])
+        if dtype == "F32" and sys.byteorder == "little":
+            if self.raw.readinto(memoryview(dest).cast("B")) != dest.nbytes:
+                raise CheckpointError(f"tensor {name!r} is cut short")
+            return
+        stored = np.fromfile(self.raw, self._DTYPES[dtype], dest.size).reshape(dest.shape)
+        if dtype == "BF16":  # a bfloat16 is the top half of a float32
+            dest.view(np.uint32)[...] = stored.astype(np.uint32) << 16
+        else:
+            dest[...] = stored
+
+
+def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None) -> GPT2Weights:
     """Gather, check and stack the tensors of an open safetensors file."""
     names = set(f.keys())
     prefix = "transformer." if "transformer.wte.weight" in names else ""
@@ -209,30 +242,20 @@ def _read(f, file: Path, config: GPT2Config | None) -> GPT2Weights:
         got = shape(name[len(prefix):])
         if got != want:
             raise CheckpointError(f"tensor {name!r} has shape {list(got)}, expected {list(want)}")
-        tensor = _float32(f, name)
-        if not np.isfinite(tensor).all():
+        dest = arrays[field] if layer is None else arrays[field][layer]
+        reader.read_into(name, dest)
+        if not np.isfinite(dest).all():
             raise CheckpointError(f"tensor {name!r} holds non-finite values (nan or inf)")
-        if layer is None:
-            arrays[field][...] = tensor
-        else:
-            arrays[field][layer] = tensor
     if "lm_head.weight" in names:
-        lm_head = _float32(f, "lm_head.weight")
+        lm_head = np.empty(tuple(f.get_slice("lm_head.weight").get_shape()), np.float32)
+        if lm_head.shape == arrays["wte"].shape:
+            reader.read_into("lm_head.weight", lm_head)
         if lm_head.shape != arrays["wte"].shape or not np.array_equal(lm_head, arrays["wte"]):
             raise CheckpointError(
                 f"{str(file)!r} has an lm_head.weight that differs from wte.weight; "
                 "gpt2numba supports only GPT-2's tied output head"
             )
     return GPT2Weights(config=config, **arrays)
-
-
-def _float32(f, name: str) -> np.ndarray:
-    dtype = f.get_slice(name).get_dtype()
-    if dtype not in ("F32", "F16", "BF16"):
-        raise CheckpointError(f"tensor {name!r} has dtype {dtype}; expected F32, F16 or BF16")
-    if dtype == "BF16":
-        import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy for safetensors)
-    return f.get_tensor(name).astype(np.float32, copy=False)
 
 
 def _infer_config(wte_shape, wpe_shape, n_layer, file) -> GPT2Config:
