@@ -20,8 +20,38 @@ FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 # float32 constants keep the elementwise kernels in float32 (a float64 literal would promote)
 _ONE = np.float32(1.0)
+_HALF = np.float32(0.5)
+_LOG2E = np.float32(1.0 / math.log(2.0))
+# ln 2 in two parts (the first exact in few bits), so that z - r ln 2 loses nothing
+_LN2_HI, _LN2_LO = np.float32(0.693359375), np.float32(math.log(2.0) - 0.693359375)
+# clamp to float32's normal exponents: 2^-126 .. 2^127
+_EXP_MIN, _EXP_MAX = np.float32(-126 * math.log(2.0)), np.float32(127 * math.log(2.0))
+# exp(g) = sum g^k / k!, to k = 7: relative error under 1e-8 for |g| <= ln(2) / 2
+_EXP_C = tuple(np.float32(1.0 / math.factorial(k)) for k in range(8))
 _GELU_2C = np.float32(2.0 * math.sqrt(2.0 / math.pi))
 _GELU_A = np.float32(0.044715)
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _exp_inplace(z, bits):
+    """z = exp(z) for float32 z (n,), in loops the compiler vectorises.
+
+    Libm's exp is one scalar call per element; here exp(z) = 2^r exp(g), with
+    r = round(z / ln 2) placed straight into a float's exponent bits and exp(g),
+    |g| <= ln(2) / 2, a polynomial. Results below 2^-126 come out as about 2^-126,
+    never 0: harmless beside the values of order one they are added to.
+    bits: int32 (n,) scratch.
+    """
+    c0, c1, c2, c3, c4, c5, c6, c7 = _EXP_C
+    for j in range(z.size):
+        x = min(max(z[j], _EXP_MIN), _EXP_MAX)
+        r = np.floor(x * _LOG2E + _HALF)
+        g = (x - r * _LN2_HI) - r * _LN2_LO
+        z[j] = c0 + g * (c1 + g * (c2 + g * (c3 + g * (c4 + g * (c5 + g * (c6 + g * c7))))))
+        bits[j] = (np.int32(r) + 127) << 23  # the float 2^r
+    scale = bits.view(np.float32)
+    for j in range(z.size):
+        z[j] *= scale[j]
 
 
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
@@ -51,13 +81,19 @@ def _gelu(x):
     """In place: x = gelu(x), GPT-2's tanh form, 0.5 x (1 + tanh(c (x + 0.044715 x^3))).
 
     x: (T, F). Computed as x / (1 + exp(-2 c (x + 0.044715 x^3))), the same function
-    (0.5 (1 + tanh z) = 1 / (1 + exp(-2z))), because exp is five times cheaper than tanh.
+    (0.5 (1 + tanh z) = 1 / (1 + exp(-2z))), with a vectorised exp.
     """
     T, F = x.shape
     for i in prange(T):
+        e = np.empty(F, np.float32)
+        bits = np.empty(F, np.int32)
+        row = x[i]
         for j in range(F):
-            y = x[i, j]
-            x[i, j] = y / (_ONE + np.exp(-_GELU_2C * (y + _GELU_A * y * y * y)))
+            y = row[j]
+            e[j] = -_GELU_2C * (y + _GELU_A * y * y * y)
+        _exp_inplace(e, bits)
+        for j in range(F):
+            row[j] = row[j] / (_ONE + e[j])
 
 
 @njit(cache=True, parallel=True)
@@ -156,6 +192,7 @@ def _attend(qkv, k, v, layer, start, out, scratch):
     H, D = k.shape[1], k.shape[3]
     scale = np.float32(1.0 / math.sqrt(D))
     for h in prange(H):
+        bits = np.empty(start + T, np.int32)
         for i0 in range(0, T, ATTEND_TILE):
             i1 = min(T, i0 + ATTEND_TILE)
             m, n = i1 - i0, start + i1  # m queries; keys 0..n-1 visible to the tile's last
@@ -167,19 +204,15 @@ def _attend(qkv, k, v, layer, start, out, scratch):
             np.dot(q, k[layer, h, :n].T, s)
             for i in range(m):
                 pos = start + i0 + i
-                peak = s[i, 0]
-                for t in range(1, pos + 1):
-                    peak = max(peak, s[i, t])
-                total = np.float32(0.0)
+                row = s[i, : pos + 1]  # the keys query pos may see
+                peak = row.max()
                 for t in range(pos + 1):
-                    e = np.exp(s[i, t] - peak)
-                    s[i, t] = e
-                    total += e
-                inv = _ONE / total
+                    row[t] -= peak
+                _exp_inplace(row, bits)
+                inv = _ONE / row.sum()
                 for t in range(pos + 1):
-                    s[i, t] *= inv
-                for t in range(pos + 1, n):
-                    s[i, t] = 0.0
+                    row[t] *= inv
+                s[i, pos + 1:] = 0.0
             np.dot(s, v[layer, h, :n], q)
             for i in range(m):
                 for d in range(D):

@@ -107,3 +107,15 @@ def test_head(V, C, n_blocks, seed):
     with threadpool_limits(1, user_api="blas"):
         kernels._head(wte, h, out, n_blocks)
     np.testing.assert_allclose(out, wte.astype(np.float64) @ h, atol=1e-4, rtol=1e-4)
+
+
+@given(z=st.lists(st.floats(-200, 100, width=32), min_size=1, max_size=70).map(lambda v: np.array(v, np.float32)))
+def test_exp(z):
+    """The vectorised exp: float32-accurate from 2^-126 to 2^127, clamped beyond, never 0, nan or inf."""
+    ref = np.exp(z.astype(np.float64))
+    out = z.copy()
+    kernels._exp_inplace(out, np.empty(z.size, np.int32))
+    assert np.isfinite(out).all() and (out > 0).all()
+    normal = (ref >= 2.0**-126) & (ref <= 2.0**127)
+    np.testing.assert_allclose(out[normal], ref[normal], rtol=3e-7)
+    assert (out[ref < 2.0**-126] <= 2.0**-125).all() and (out[ref > 2.0**127] >= 2.0**127).all()
