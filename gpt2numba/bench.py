@@ -1,6 +1,7 @@
 """Benchmark: gpt2numba and Hugging Face transformers on the same weights, beside this machine's floors.
 
-    gpt2numba bench [--model DIR] [--threads 2] [--json bench.json]   (or python profiling/bench.py)
+    gpt2numba bench [--model DIR] [--threads 2] [--dtypes float32 bfloat16 int8] [--json bench.json]
+    (or python profiling/bench.py)
 
 Prefill time at several prompt lengths, decode ms/token at several contexts, cold
 start (a new process from import to the first logits) and peak resident memory
@@ -39,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5, help="prefill runs per length (median)")
     p.add_argument("--steps", type=int, default=64, help="decode steps per context (median)")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="array size for the read-bandwidth floor")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"],
+                   choices=["float32", "bfloat16", "int8"], help="gpt2numba's weight formats to run")
+    p.add_argument("--accuracy-prompts", type=int, default=16,
+                   help="random prompts for the compact formats' accuracy figures")
     p.add_argument("--no-transformers", action="store_true", help="only gpt2numba and the floors")
     p.add_argument("--no-processes", action="store_true", help="skip cold start and peak memory")
     p.add_argument("--json", type=Path, help="write every figure here")
@@ -57,26 +62,28 @@ def main(argv: list[str] | None = None) -> int:
         w = g.load_weights(model_dir)
         report["model"] = str(args.model or "random GPT-2 small (seed 0)")
         report["floors"] = floors = _floors(w, args)
+        if set(args.dtypes) - {"float32"}:
+            report["accuracy"] = _accuracy(g, w, args)
         # Each system in its own process: two thread pools in one process fight for the
         # cores (each spins while the other works) and slow both several-fold.
-        ours = _Remote("ours", model_dir, args.threads)
-        theirs = None if args.no_transformers else _Remote("theirs", model_dir, args.threads)
+        ours = [_Remote(dtype, model_dir, args.threads) for dtype in args.dtypes]
+        theirs = None if args.no_transformers else _Remote("transformers", model_dir, args.threads)
         if theirs and theirs.version is None:
             print("transformers or torch is not installed: printing gpt2numba and the floors only "
                   "(pip install 'gpt2numba[bench]')", file=sys.stderr)
             theirs.close()
             theirs = None
         report["transformers"] = theirs.version if theirs else None
+        systems = [*ours, *([theirs] if theirs else [])]
         try:
-            report["prefill"] = _prefill_runs(ours, theirs, w, args)
-            report["decode"] = _decode_runs(ours, theirs, w, args)
+            report["prefill"] = _prefill_runs(systems, w, args)
+            report["decode"] = _decode_runs(systems, w, args)
         finally:
-            for remote in (ours, theirs):
-                if remote:
-                    remote.close()
+            for remote in systems:
+                remote.close()
         if not args.no_processes:
             report["cold_start"] = _cold_start(model_dir, theirs is not None)
-            report["peak_rss_mb"] = _peak_rss(model_dir, theirs is not None, w.config)
+            report["peak_rss_mb"] = _peak_rss(model_dir, theirs is not None, w.config, args.dtypes)
     _print(report, floors)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
@@ -87,10 +94,9 @@ def main(argv: list[str] | None = None) -> int:
 # --- the two systems, behind the same three calls -------------------------------------------------
 
 class _Ours:
-    name = "gpt2numba"
-
     def __init__(self, g, w):
         self.g, self.w = g, w
+        self.name = _name(w.dtype)
         self.mc = g.ModelCache(w.config)
 
     def prefill(self, ids):
@@ -141,6 +147,7 @@ class _Remote:
     """One system in a worker process; call() runs one prefill or decode there and times it."""
 
     def __init__(self, kind, model_dir, threads):
+        """kind: a gpt2numba dtype, or "transformers"."""
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(kind, str(model_dir), threads, child), daemon=True)
@@ -162,15 +169,16 @@ class _Remote:
 
 
 def _serve(kind, model_dir, threads, conn):
-    if kind == "ours":
+    if kind == "transformers":
+        system = _transformers(model_dir, threads)
+        name, version = "transformers", system.version if system else None
+    else:
         import gpt2numba as g
 
         g.set_threads(threads)
-        system, version = _Ours(g, g.load_weights(model_dir)), "gpt2numba"
-    else:
-        system = _transformers(model_dir, threads)
-        version = system.version if system else None
-    conn.send((kind == "ours" and "gpt2numba" or "transformers", version))
+        system = _Ours(g, g.load_weights(model_dir, dtype=kind))
+        name, version = system.name, "gpt2numba"
+    conn.send((name, version))
     while (msg := conn.recv()) is not None:
         method, arg, want_logits = msg
         try:
@@ -211,10 +219,36 @@ def _floors(w, args):
     gemm = 2 * M * K * N / min(times)
     cfg = w.config
     # decode reads every matrix once, the output head included, but only one row of wpe
-    decode_bytes = w.nbytes - w.wpe.nbytes
+    decode_bytes = {_name(d): w.astype(d).nbytes - w.wpe.nbytes for d in ("float32", *args.dtypes)}
+    decode_bytes["transformers"] = decode_bytes[_name("float32")]
     return {"read_gb_s": bandwidth / 1e9, "gemm_gflop_s": gemm / 1e9, "decode_bytes": decode_bytes,
-            "decode_floor_ms": 1e3 * decode_bytes / bandwidth,
+            "decode_floor_ms": {k: 1e3 * b / bandwidth for k, b in decode_bytes.items()},
             "prefill_floor_ms": {T: 1e3 * _prefill_flops(cfg, T) / gemm for T in args.lengths}}
+
+
+def _name(dtype):
+    return "gpt2numba" if dtype == "float32" else f"gpt2numba {dtype}"
+
+
+def _accuracy(g, w, args):
+    """Compact formats against the oracle on their own values, and against the float32 model."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, w.config.vocab_size, 32) for _ in range(args.accuracy_prompts)]
+    f32 = [g.prefill(ids, w, g.ModelCache(w.config, max_len=32)) for ids in prompts]
+    result = {}
+    for dtype in args.dtypes:
+        if dtype == "float32":
+            continue
+        wc = w.astype(dtype)
+        logits = [g.prefill(ids, wc, g.ModelCache(w.config, max_len=32)) for ids in prompts]
+        oracle = [g.recompute_logits(ids, wc) for ids in prompts[:4]]  # float64 is slow: four
+        result[dtype] = {
+            "max_abs_diff_vs_oracle": max(float(np.abs(a - b).max()) for a, b in zip(logits, oracle)),
+            "max_abs_diff_vs_float32": max(float(np.abs(a - b).max()) for a, b in zip(logits, f32)),
+            "argmax_agreement_with_float32": float(np.mean([a.argmax() == b.argmax() for a, b in zip(logits, f32)])),
+            "prompts": len(prompts),
+        }
+    return result
 
 
 def _prefill_flops(cfg, T):
@@ -227,9 +261,8 @@ def _prefill_flops(cfg, T):
 
 # --- alternating runs --------------------------------------------------------------------------------
 
-def _prefill_runs(ours, theirs, w, args):
+def _prefill_runs(systems, w, args):
     rng = np.random.default_rng(0)
-    systems = [s for s in (ours, theirs) if s]
     results = {}
     for T in args.lengths:
         if T > w.config.n_positions:
@@ -244,14 +277,13 @@ def _prefill_runs(ours, theirs, w, args):
                     times[s.name].append(s.call("prefill", ids)[0])
         results[T] = {name: _stats(ts) for name, ts in times.items()}
         results[T]["others_cpu"] = load.share
-        if theirs:
+        if "transformers" in logits and "gpt2numba" in logits:
             results[T]["max_abs_logit_diff"] = float(np.abs(logits["gpt2numba"] - logits["transformers"]).max())
     return results
 
 
-def _decode_runs(ours, theirs, w, args):
+def _decode_runs(systems, w, args):
     rng = np.random.default_rng(1)
-    systems = [s for s in (ours, theirs) if s]
     results = {}
     for context in args.contexts:
         if context + args.steps + 1 > w.config.n_positions:
@@ -269,7 +301,7 @@ def _decode_runs(ours, theirs, w, args):
                     times[s.name].append(seconds)
         results[context] = {name: _stats(ts) for name, ts in times.items()}
         results[context]["others_cpu"] = load.share
-        if theirs:
+        if "transformers" in tokens and "gpt2numba" in tokens:
             results[context]["same_greedy_tokens"] = tokens["gpt2numba"] == tokens["transformers"]
     return results
 
@@ -300,7 +332,7 @@ print(time.perf_counter() - t0)
 """
 _OURS_RSS = """
 import sys, numpy as np, gpt2numba as g
-w = g.load_weights(sys.argv[1]); mc = g.ModelCache(w.config)
+w = g.load_weights(sys.argv[1], dtype=sys.argv[2]); mc = g.ModelCache(w.config)
 ids = np.random.default_rng(0).integers(0, w.config.vocab_size, 512)
 token = int(g.prefill(ids, w, mc).argmax())
 for _ in range(128):
@@ -328,8 +360,8 @@ def peak_rss_mb():
 """
 
 
-def _run(script, model_dir, env=None):
-    out = subprocess.run([sys.executable, "-c", script, str(model_dir)], capture_output=True, text=True,
+def _run(script, model_dir, env=None, *extra):
+    out = subprocess.run([sys.executable, "-c", script, str(model_dir), *extra], capture_output=True, text=True,
                          env={**os.environ, **(env or {})}, timeout=900)
     if out.returncode:
         raise RuntimeError(f"benchmark subprocess failed: {out.stderr.strip().splitlines()[-1:]}")
@@ -349,12 +381,10 @@ def _cold_start(model_dir, with_theirs):
     return result
 
 
-def _peak_rss(model_dir, with_theirs, cfg):
-    if cfg.n_positions < 640:
+def _peak_rss(model_dir, with_theirs, cfg, dtypes):
+    if cfg.n_positions < 640 or not os.path.exists("/proc/self/status"):
         return {}
-    if not os.path.exists("/proc/self/status"):
-        return {}
-    result = {"gpt2numba": _run(_PEAK_RSS + _OURS_RSS, model_dir)}
+    result = {_name(d): _run(_PEAK_RSS + _OURS_RSS, model_dir, None, d) for d in dtypes}
     if with_theirs:
         result["transformers"] = _run(_PEAK_RSS + _THEIRS_RSS, model_dir)
     return result
@@ -418,34 +448,34 @@ def _machine():
 
 def _print(r, floors):
     theirs = r["transformers"]
-    print(f"\ngpt2numba bench: {r['model']}, float32, {r['threads']} threads"
-          + (f"; against {theirs}" if theirs else ""))
-    print(f"floors: read {floors['read_gb_s']:.1f} GB/s -> decode floor {floors['decode_floor_ms']:.1f} ms/token "
-          f"({floors['decode_bytes'] / 1e6:.0f} MB of weights); GEMM {floors['gemm_gflop_s']:.0f} GFLOP/s "
-          f"at {'x'.join(map(str, GEMM_SHAPE))}")
-    print(f"\n{'prefill':>8} {'ours ms':>9} {'tok/s':>7} {'floor':>6}", end="")
-    print(f" {'theirs ms':>10} {'tok/s':>7} {'speedup':>8} {'|diff|':>8}" if theirs else "", end="")
-    print(f" {'others':>6}  (min-max ours)")
+    print(f"\ngpt2numba bench: {r['model']}, {r['threads']} threads"
+          + (f"; against {theirs}, float32" if theirs else ""))
+    print(f"floors: read {floors['read_gb_s']:.1f} GB/s, GEMM {floors['gemm_gflop_s']:.0f} GFLOP/s at "
+          f"{'x'.join(map(str, GEMM_SHAPE))}; decode floor = weight bytes / read rate")
+    print(f"\n{'prefill':>7}  {'system':<22} {'median ms':>9} {'tok/s':>6} {'/floor':>7} {'vs transformers':>15}"
+          f"  {'min-max ms':>15} {'others':>6}")
     for T, row in r["prefill"].items():
-        o = row["gpt2numba"]
-        line = (f"{T:>8} {o['median_ms']:>9.1f} {1e3 * T / o['median_ms']:>7.0f} "
-                f"{o['median_ms'] / floors['prefill_floor_ms'][T]:>5.2f}x")
-        if theirs:
-            t = row["transformers"]
-            line += (f" {t['median_ms']:>10.1f} {1e3 * T / t['median_ms']:>7.0f} "
-                     f"{t['median_ms'] / o['median_ms']:>7.2f}x {row['max_abs_logit_diff']:>8.1e}")
-        print(line + f" {_pct(row['others_cpu']):>6}  ({o['min_ms']:.1f}-{o['max_ms']:.1f})")
-    print(f"\n{'decode':>8} {'ours ms':>9} {'floor':>6}", end="")
-    print(f" {'theirs ms':>10} {'ours/theirs':>11} {'same tokens':>11}" if theirs else "", end="")
-    print(f" {'others':>6}  (min-max ours)")
+        for name, o in _systems(row):
+            print(f"{T:>7}  {name:<22} {o['median_ms']:>9.1f} {1e3 * T / o['median_ms']:>6.0f} "
+                  f"{o['median_ms'] / floors['prefill_floor_ms'][T]:>6.2f}x {_versus(row, name):>15}"
+                  f"  {o['min_ms']:>7.1f}-{o['max_ms']:<7.1f} {_pct(row['others_cpu']):>6}")
+        if "max_abs_logit_diff" in row:
+            print(f"{'':>9}|gpt2numba - transformers| logits: {row['max_abs_logit_diff']:.1e}")
+    print(f"\n{'decode':>7}  {'system':<22} {'ms/token':>9} {'floor':>6} {'/floor':>7} {'vs transformers':>15}"
+          f"  {'min-max ms':>15} {'others':>6}")
     for context, row in r["decode"].items():
-        o = row["gpt2numba"]
-        line = f"{context:>8} {o['median_ms']:>9.2f} {o['median_ms'] / floors['decode_floor_ms']:>5.2f}x"
-        if theirs:
-            t = row["transformers"]
-            line += (f" {t['median_ms']:>10.2f} {o['median_ms'] / t['median_ms']:>10.2f}x "
-                     f"{str(row['same_greedy_tokens']):>11}")
-        print(line + f" {_pct(row['others_cpu']):>6}  ({o['min_ms']:.2f}-{o['max_ms']:.2f})")
+        for name, o in _systems(row):
+            floor = floors["decode_floor_ms"][name]
+            print(f"{context:>7}  {name:<22} {o['median_ms']:>9.2f} {floor:>6.1f} {o['median_ms'] / floor:>6.2f}x "
+                  f"{_versus(row, name):>15}  {o['min_ms']:>7.2f}-{o['max_ms']:<7.2f} {_pct(row['others_cpu']):>6}")
+        if "same_greedy_tokens" in row:
+            print(f"{'':>9}same greedy tokens as transformers: {row['same_greedy_tokens']}")
+    if r.get("accuracy"):
+        print()
+    for dtype, a in r.get("accuracy", {}).items():
+        print(f"accuracy {dtype} ({a['prompts']} prompts of 32 tokens): max |logit - oracle on the same "
+              f"values| {a['max_abs_diff_vs_oracle']:.1e}; max |logit - float32 model| "
+              f"{a['max_abs_diff_vs_float32']:.2e}, same argmax as float32 {100 * a['argmax_agreement_with_float32']:.0f}%")
     if "cold_start" in r:
         c = r["cold_start"]
         print(f"\ncold start, new process to first logits: gpt2numba {c['gpt2numba_warm_cache_s']:.2f} s with "
@@ -454,6 +484,17 @@ def _print(r, floors):
     if r.get("peak_rss_mb"):
         m = r["peak_rss_mb"]
         print("peak RSS, prefill 512 + decode 128: " + ", ".join(f"{k} {v:.0f} MB" for k, v in m.items()))
+
+
+def _systems(row):
+    return [(name, stats) for name, stats in row.items() if isinstance(stats, dict)]
+
+
+def _versus(row, name):
+    """How many times faster than transformers (its median over ours)."""
+    if "transformers" not in row or name == "transformers":
+        return ""
+    return f"{row['transformers']['median_ms'] / row[name]['median_ms']:.2f}x faster"
 
 
 def _pct(share):

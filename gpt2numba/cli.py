@@ -14,6 +14,7 @@ from . import kvcache
 from .errors import GPT2NumbaError
 from .kvcache import ModelCache, decode_step, prefill
 from .oracle import recompute_logits
+from .compact import DTYPES
 from .weights import load_weights
 
 ATOL, RTOL = 1e-3, 1e-2  # the tolerance the test suite holds cached logits to
@@ -26,12 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     model_help = ("checkpoint directory, .safetensors file, or a Hugging Face name such as "
                   "openai-community/gpt2 (needs the [hub] extra and network); default: $GPT2NUMBA_WEIGHTS, "
                   "else seeded random GPT-2 small")
+    dtype_help = ("how the matrices are kept: float32 (default), bfloat16 (half the bytes) or int8 "
+                  "(a quarter, one scale per 32 weights); decode is about that much faster")
 
     gen = commands.add_parser("generate", help="continue a prompt, streaming text as it is produced",
                               description="Continue PROMPT, printing text as it is produced; "
                               "a one-line summary goes to stderr.")
     gen.add_argument("prompt", metavar="PROMPT")
     gen.add_argument("--model", help=model_help)
+    gen.add_argument("--dtype", default="float32", choices=DTYPES, help=dtype_help)
     gen.add_argument("--max-new-tokens", type=_at_least(0), default=50, metavar="N", help="default 50")
     gen.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 is greedy (default 1.0)")
     gen.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens")
@@ -47,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Prefill random prompts, decode greedily, and compare every step's logits with "
         "the float64 oracle. Exits 1 on a mismatch.")
     check.add_argument("--model", help=model_help)
+    check.add_argument("--dtype", default="float32", choices=DTYPES, help=dtype_help)
     check.add_argument("--prompts", type=_at_least(1), default=3, help="random prompts to try (default 3)")
     check.add_argument("--prompt-len", type=_at_least(1), default=64, help="tokens per prompt (default 64)")
     check.add_argument("--decode", type=_at_least(0), default=8, help="greedy steps after each prefill (default 8)")
@@ -71,15 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def resolve_model(model: str | None):
+def resolve_model(model: str | None, dtype: str = "float32"):
     """(weights, checkpoint path or None, description) for a --model value."""
     if model is None:
         env = os.environ.get("GPT2NUMBA_WEIGHTS")
-        return kvcache.default_weights(), env, env or RANDOM_NOTE
+        return kvcache.default_weights().astype(dtype), env, env or RANDOM_NOTE
     path = Path(model)
     if not path.exists() and model.count("/") == 1 and not model.startswith((".", "/")):
         path = _download(model)
-    return load_weights(path), path, str(model)
+    return load_weights(path, dtype=dtype), path, str(model)
 
 
 def _download(name: str) -> Path:
@@ -101,7 +106,7 @@ def _generate(args) -> int:
     from .tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
-    w, path, source = resolve_model(args.model)
+    w, path, source = resolve_model(args.model, args.dtype)
     tokenizer = load_tokenizer(path)
     if path is None:
         print(f"gpt2numba: {RANDOM_NOTE}", file=sys.stderr)
@@ -130,10 +135,12 @@ def _generate(args) -> int:
 
 def _check(args) -> int:
     t0 = time.perf_counter()
-    w, _, source = resolve_model(args.model)
+    w, _, source = resolve_model(args.model, args.dtype)
     cfg = w.config
     print(f"weights: {source}: {cfg.n_layer} layers, {cfg.n_head} heads, n_embd {cfg.n_embd}, "
-          f"vocab {cfg.vocab_size}; loaded in {time.perf_counter() - t0:.2f} s")
+          f"vocab {cfg.vocab_size}, {w.dtype}; loaded in {time.perf_counter() - t0:.2f} s")
+    if w.dtype != "float32":
+        print(f"(compared with the oracle run on the float32 values the {w.dtype} weights stand for)")
     if args.prompt_len + args.decode > cfg.n_positions:
         print(f"gpt2numba: error: --prompt-len + --decode = {args.prompt_len + args.decode} "
               f"exceeds n_positions {cfg.n_positions}", file=sys.stderr)

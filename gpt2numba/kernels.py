@@ -12,7 +12,11 @@ Masking is by loop bounds (a query at position pos reads positions 0..pos): no
 import math
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from .compact import GROUP as _GROUP  # a compile-time constant: fixed-length group loops vectorise
 
 # LLVM fast-math minus nnan/ninf: reassociation lets reductions vectorise, while
 # comparisons with inf or nan keep their meaning.
@@ -30,6 +34,14 @@ _EXP_MIN, _EXP_MAX = np.float32(-126 * math.log(2.0)), np.float32(127 * math.log
 _EXP_C = tuple(np.float32(1.0 / math.factorial(k)) for k in range(8))
 _GELU_2C = np.float32(2.0 * math.sqrt(2.0 / math.pi))
 _GELU_A = np.float32(0.044715)
+
+
+@intrinsic
+def _as_float32(typingctx, bits):
+    """The float32 whose bits are the uint32 ``bits`` (a register move, so loops stay vectorised)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -227,3 +239,119 @@ def _stream_sum(a):
     for i in prange(n):
         total += a[i]
     return total
+
+
+# --- compact weights (see compact.py): bfloat16 bits as uint16, int8 with per-group scales -------
+# Decode reads them directly, widening in registers; prefill widens one matrix at a
+# time into a float32 buffer and multiplies with BLAS.
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _gemv_bf16(x, w, b, scratch, out, accumulate, n_blocks):
+    """out (+)= x @ w + b for one token, w bfloat16.
+
+    x: (1, K); w: uint16 (K, N); b: (N,); out: (1, N); scratch: flat float32 of
+    at least n_blocks * N. Each thread streams a block of w's rows.
+    """
+    K, N = w.shape
+    partial = scratch[: n_blocks * N].reshape(n_blocks, N)
+    step = (K + n_blocks - 1) // n_blocks
+    for blk in prange(n_blocks):
+        acc = partial[blk]
+        acc[:] = 0.0
+        for k in range(min(K, blk * step), min(K, (blk + 1) * step)):
+            row = w[k]
+            xk = x[0, k]
+            for j in range(N):
+                acc[j] += xk * _as_float32(np.uint32(row[j]) << 16)
+    _reduce(partial, b, out, accumulate)
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _gemv_int8(x, q, scale, b, scratch, out, accumulate, n_blocks):
+    """out (+)= x @ (q * scale) + b for one token, q int8 in groups of GROUP rows.
+
+    x: (1, K); q: int8 (K, N); scale: (K // GROUP, N); b: (N,); out: (1, N);
+    scratch: flat float32 of at least 2 * n_blocks * N. Threads take blocks of groups.
+    """
+    K, N = q.shape
+    groups = K // _GROUP
+    partial = scratch[: n_blocks * N].reshape(n_blocks, N)
+    in_group = scratch[n_blocks * N: 2 * n_blocks * N].reshape(n_blocks, N)
+    step = (groups + n_blocks - 1) // n_blocks
+    for blk in prange(n_blocks):
+        acc, gacc = partial[blk], in_group[blk]
+        acc[:] = 0.0
+        for g in range(min(groups, blk * step), min(groups, (blk + 1) * step)):
+            gacc[:] = 0.0
+            for kk in range(0, _GROUP, 4):  # four rows per pass: a quarter of the traffic on gacc
+                k = g * _GROUP + kk
+                r0, r1, r2, r3 = q[k], q[k + 1], q[k + 2], q[k + 3]
+                x0, x1, x2, x3 = x[0, k], x[0, k + 1], x[0, k + 2], x[0, k + 3]
+                for j in range(N):
+                    gacc[j] += (x0 * np.float32(r0[j]) + x1 * np.float32(r1[j])
+                                + x2 * np.float32(r2[j]) + x3 * np.float32(r3[j]))
+            s = scale[g]
+            for j in range(N):
+                acc[j] += s[j] * gacc[j]
+    _reduce(partial, b, out, accumulate)
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _reduce(partial, b, out, accumulate):
+    """out[0] (+)= b + the sum of partial's rows. partial: (n_blocks, N)."""
+    for j in range(out.shape[1]):
+        s = b[j]
+        for blk in range(partial.shape[0]):
+            s += partial[blk, j]
+        out[0, j] = out[0, j] + s if accumulate else s
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _head_bf16(wte, h, out, n_blocks):
+    """out = wte @ h, wte bfloat16 (V, C) as uint16; h: (C,); out: (V,)."""
+    V, C = wte.shape
+    step = (V + n_blocks - 1) // n_blocks
+    for blk in prange(n_blocks):
+        for v in range(min(V, blk * step), min(V, (blk + 1) * step)):
+            row = wte[v]
+            s = np.float32(0.0)
+            for c in range(C):
+                s += _as_float32(np.uint32(row[c]) << 16) * h[c]
+            out[v] = s
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _head_int8(q, scale, h, out, n_blocks):
+    """out = (q * scale) @ h, q int8 (V, C) in groups of GROUP columns; scale: (V, C // GROUP)."""
+    V, C = q.shape
+    step = (V + n_blocks - 1) // n_blocks
+    for blk in prange(n_blocks):
+        lanes = np.empty(_GROUP, np.float32)  # per-lane sums across groups: one reduction per row
+        for v in range(min(V, blk * step), min(V, (blk + 1) * step)):
+            row = q[v]
+            lanes[:] = 0.0
+            for g in range(C // _GROUP):
+                sg = scale[v, g]
+                for c in range(_GROUP):
+                    lanes[c] += sg * np.float32(row[g * _GROUP + c]) * h[g * _GROUP + c]
+            out[v] = lanes.sum()
+
+
+@njit(cache=True, parallel=True)
+def _expand_bf16(w, out):
+    """out = float32 values of bfloat16 w. w: uint16 (K, N); out: (K, N)."""
+    K, N = w.shape
+    for k in prange(K):
+        for j in range(N):
+            out[k, j] = _as_float32(np.uint32(w[k, j]) << 16)
+
+
+@njit(cache=True, parallel=True)
+def _expand_int8(q, scale, out):
+    """out = q * scale, groups of GROUP rows. q: int8 (K, N); scale: (K // GROUP, N); out: (K, N)."""
+    K, N = q.shape
+    for k in prange(K):
+        s = scale[k // _GROUP]
+        for j in range(N):
+            out[k, j] = np.float32(q[k, j]) * s[j]

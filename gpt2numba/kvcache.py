@@ -15,7 +15,22 @@ import numpy as np
 from . import checks
 from .config import GPT2Config
 from .errors import CacheFullError, ConfigError, GPT2NumbaError
-from .kernels import ATTEND_TILE, _attend, _gelu, _head, _layernorm, _linear, _write_kv
+from . import compact
+from .kernels import (
+    ATTEND_TILE,
+    _attend,
+    _expand_bf16,
+    _expand_int8,
+    _gelu,
+    _gemv_bf16,
+    _gemv_int8,
+    _head,
+    _head_bf16,
+    _head_int8,
+    _layernorm,
+    _linear,
+    _write_kv,
+)
 from .weights import GPT2Weights, load_weights, random_weights
 
 
@@ -150,7 +165,8 @@ def _check_pair(w, mc) -> None:
 
 def _embed(ids: np.ndarray, start: int, w: GPT2Weights) -> np.ndarray:
     # (T,) ids at positions start.. -> (T, C)
-    return w.wte[ids] + w.wpe[start : start + len(ids)]
+    rows = compact.expand("wte", w.wte[ids], w.scales["wte"][ids] if w.scales else None)
+    return rows + w.wpe[start : start + len(ids)]
 
 
 def _split_k(T: int) -> bool:
@@ -178,16 +194,24 @@ class _Workspace:
         self.a = np.empty((max_len, C), np.float32)        # attention out, heads side by side
         self.f = np.empty((max_len, 4 * C), np.float32)    # MLP hidden
         self._scratch = np.empty(0, np.float32)
+        self._dense = np.empty(0, np.float32)
         self.max_len, self.width = max_len, 4 * C
         # per head: a tile of queries and its scores over every visible key
         self.attend = np.empty((cfg.n_head, ATTEND_TILE * (cfg.head_dim + max_len)), np.float32)
 
     def scratch(self, T: int, threads: int) -> np.ndarray:
         """Where matrix products land first: T rows, or T partial rows per thread (flat)."""
-        need = (threads if _split_k(T) else 1) * T * self.width
+        need = max((threads if _split_k(T) else 1) * T, 2 * threads) * self.width
         if self._scratch.size < need:  # once per cache, or when the thread count grows
             self._scratch = np.empty(max(need, threads * min(self.max_len, 256) * self.width), np.float32)
         return self._scratch
+
+    def dense(self, shape: tuple) -> np.ndarray:
+        """A float32 buffer of ``shape`` for one widened compact matrix (prefill only)."""
+        size = shape[0] * shape[1]
+        if self._dense.size < size:
+            self._dense = np.empty(self.width * self.width // 4, np.float32)  # C x 4C, the largest
+        return self._dense[:size].reshape(shape)
 
 
 def _forward(ids: np.ndarray, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
@@ -196,21 +220,20 @@ def _forward(ids: np.ndarray, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
     T, start, eps = len(ids), mc.length, cfg.layer_norm_epsilon
     x, h, qkv, a, f = work.x[:T], work.h[:T], work.qkv[:T], work.a[:T], work.f[:T]
     x[...] = _embed(ids, start, w)
-    threads = numba.get_num_threads()
-    linear = functools.partial(_linear, scratch=work.scratch(T, threads), n_blocks=threads, split_k=_split_k(T))
+    linear = functools.partial(_matmul, w=w, work=work, threads=numba.get_num_threads())
     try:
         with _one_blas_thread():
             for layer in range(cfg.n_layer):
                 _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
-                linear(h, w.c_attn_w[layer], w.c_attn_b[layer], out=qkv, accumulate=False)
+                linear(h, "c_attn_w", layer, w.c_attn_b[layer], out=qkv, accumulate=False)
                 _write_kv(qkv, mc.k, mc.v, mc._lengths, layer, start)
                 _attend(qkv, mc.k, mc.v, layer, start, a, work.attend)
-                linear(a, w.attn_c_proj_w[layer], w.attn_c_proj_b[layer], out=x, accumulate=True)
+                linear(a, "attn_c_proj_w", layer, w.attn_c_proj_b[layer], out=x, accumulate=True)
 
                 _layernorm(x, w.ln_2_g[layer], w.ln_2_b[layer], eps, h)
-                linear(h, w.c_fc_w[layer], w.c_fc_b[layer], out=f, accumulate=False)
+                linear(h, "c_fc_w", layer, w.c_fc_b[layer], out=f, accumulate=False)
                 _gelu(f)
-                linear(f, w.mlp_c_proj_w[layer], w.mlp_c_proj_b[layer], out=x, accumulate=True)
+                linear(f, "mlp_c_proj_w", layer, w.mlp_c_proj_b[layer], out=x, accumulate=True)
     except BaseException:
         mc._lengths[:] = start  # the rows written past start mean nothing again
         raise
@@ -222,13 +245,39 @@ def _forward(ids: np.ndarray, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
     return x[-1]
 
 
+def _matmul(x, field, layer, b, out, accumulate, w, work, threads):
+    """out (+)= x @ (layer's matrix ``field``) + b, whatever the matrix's storage."""
+    T = x.shape[0]
+    matrix = getattr(w, field)[layer]
+    scratch = work.scratch(T, threads)
+    if w.dtype == "float32":
+        _linear(x, matrix, b, scratch, out, accumulate, threads, _split_k(T))
+    elif T == 1 and w.dtype == "bfloat16":  # decode reads the compact matrix itself
+        _gemv_bf16(x, matrix, b, scratch, out, accumulate, threads)
+    elif T == 1:
+        _gemv_int8(x, matrix, w.scales[field][layer], b, scratch, out, accumulate, threads)
+    else:  # prefill widens the matrix once, then multiplies as float32
+        dense = work.dense(matrix.shape)
+        if w.dtype == "bfloat16":
+            _expand_bf16(matrix, dense)
+        else:
+            _expand_int8(matrix, w.scales[field][layer], dense)
+        _linear(x, dense, b, scratch, out, accumulate, threads, _split_k(T))
+
+
 def _logits(x_last: np.ndarray, w: GPT2Weights) -> np.ndarray:
     # (C,) -> (V,): ln_f, then the tied head wte for this one row
     h = np.empty((1, w.config.n_embd), np.float32)
     _layernorm(x_last[None, :], w.ln_f_g, w.ln_f_b, w.config.layer_norm_epsilon, h)
     logits = np.empty(w.config.vocab_size, np.float32)
     with _one_blas_thread():
-        _head(w.wte, h[0], logits, numba.get_num_threads())
+        threads = numba.get_num_threads()
+        if w.dtype == "float32":
+            _head(w.wte, h[0], logits, threads)
+        elif w.dtype == "bfloat16":
+            _head_bf16(w.wte, h[0], logits, threads)
+        else:
+            _head_int8(w.wte, w.scales["wte"], h[0], logits, threads)
     return logits
 
 

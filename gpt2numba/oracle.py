@@ -55,9 +55,11 @@ def block(x, w: GPT2Weights, layer: int):
 def recompute_logits(ids, w: GPT2Weights) -> np.ndarray:
     """Next-token logits after the whole sequence ``ids``, from scratch, in float64.
 
-    ids: 1-D sequence of token ids, 1 <= len(ids) <= n_positions.
+    ids: 1-D sequence of token ids, 1 <= len(ids) <= n_positions. Compact
+    weights are run on the float32 values they stand for.
     Returns a float64 array of shape (vocab_size,).
     """
+    w = w.dequantized()
     ids = np.asarray(ids, dtype=np.int64)
     T = len(ids)
     x = w.wte[ids].astype(np.float64) + w.wpe[:T].astype(np.float64)  # [T, C]

@@ -1,4 +1,4 @@
-"""GPT-2 weights: stacked float32 arrays, from safetensors checkpoints or a seed."""
+"""GPT-2 weights: stacked arrays, from safetensors checkpoints or a seed; float32 or compact."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
+from . import compact
+from .compact import DTYPES, MATRICES, STORAGE
 from .config import HEAD_DIM, GPT2Config
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
 
 # Per-layer tensors: our field name, the checkpoint's name inside block "h.N.",
 # and the shape (from the config) as GPT-2's Conv1D stores it: [in, out].
@@ -51,11 +53,14 @@ _IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class GPT2Weights:
-    """Every GPT-2 parameter as C-contiguous, read-only float32 arrays.
+    """Every GPT-2 parameter as C-contiguous, read-only arrays.
 
     Per-layer kinds are stacked on a leading layer axis (L = n_layer, C = n_embd,
     V = vocab_size, P = n_positions); matrices are [in, out], so ``x @ w + b``.
-    The output head is tied: logits = ln_f(x) @ wte.T.
+    The output head is tied: logits = ln_f(x) @ wte.T. With ``dtype`` "bfloat16"
+    the matrices (wte and the blocks' four) hold bfloat16 bits as uint16; with
+    "int8" they hold int8 and ``scales`` maps each to its float32 per-group scales
+    (see compact.py). Everything else is float32 always.
     """
 
     config: GPT2Config
@@ -75,30 +80,72 @@ class GPT2Weights:
     mlp_c_proj_b: np.ndarray   # (L, C)
     ln_f_g: np.ndarray         # (C,)
     ln_f_b: np.ndarray         # (C,)
+    dtype: str = "float32"     # of the matrices: "float32", "bfloat16" or "int8"
+    scales: dict | None = None  # int8: matrix field -> float32 scales, compact.scale_shape
 
     def __post_init__(self):
-        for field, expected in _field_shapes(self.config):
-            a = getattr(self, field)
-            if not isinstance(a, np.ndarray) or a.dtype != np.float32:
-                raise CheckpointError(f"{field} must be a float32 ndarray")
-            if a.shape != expected:
-                raise CheckpointError(f"{field} has shape {a.shape}, expected {expected}")
-            if not a.flags.c_contiguous:
-                a = np.ascontiguousarray(a)
-                object.__setattr__(self, field, a)
-            a.flags.writeable = False  # nothing we run may change the weights
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if (self.scales is not None) != (self.dtype == "int8"):
+            raise ConfigError("int8 weights need scales, and only int8 weights have them")
+        arrays = [(field, shape, STORAGE[self.dtype] if field in MATRICES else np.float32)
+                  for field, shape in _field_shapes(self.config)]
+        for field, shape, dtype in arrays:
+            object.__setattr__(self, field, _checked(field, getattr(self, field), shape, dtype))
+        if self.scales is not None:
+            scales = {field: _checked(f"scales[{field!r}]", self.scales.get(field),
+                                      compact.scale_shape(field, shape), np.float32)
+                      for field, shape, _ in arrays if field in MATRICES}
+            object.__setattr__(self, "scales", scales)
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, field).nbytes for field, _ in _field_shapes(self.config))
+        scales = sum(a.nbytes for a in self.scales.values()) if self.scales else 0
+        return scales + sum(getattr(self, field).nbytes for field, _ in _field_shapes(self.config))
+
+    def matrix(self, field: str) -> np.ndarray:
+        """A matrix kind as float32, whatever its storage (a new array unless float32)."""
+        return compact.expand(field, getattr(self, field), self.scales and self.scales[field])
+
+    def astype(self, dtype: str) -> GPT2Weights:
+        """These weights with their matrices stored as ``dtype`` (from float32 values)."""
+        if dtype == self.dtype:
+            return self
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        stored = {field: compact.compress(field, self.matrix(field), dtype) for field in MATRICES}
+        return dataclasses.replace(
+            self, dtype=dtype, **{field: a for field, (a, _) in stored.items()},
+            scales={field: s for field, (_, s) in stored.items()} if dtype == "int8" else None)
+
+    def dequantized(self) -> GPT2Weights:
+        """float32 weights with the values these ones stand for (self if float32)."""
+        if self.dtype == "float32":
+            return self
+        return dataclasses.replace(self, dtype="float32", scales=None,
+                                   **{field: self.matrix(field) for field in MATRICES})
 
 
-def random_weights(config: GPT2Config, seed: int = 0) -> GPT2Weights:
+def _checked(name, a, shape, dtype):
+    """``a`` as a C-contiguous, read-only array of ``shape`` and ``dtype``, or CheckpointError."""
+    if not isinstance(a, np.ndarray) or a.dtype != dtype:
+        raise CheckpointError(f"{name} must be a {np.dtype(dtype).name} ndarray, got "
+                              f"{getattr(a, 'dtype', type(a).__name__)}")
+    if a.shape != shape:
+        raise CheckpointError(f"{name} has shape {a.shape}, expected {shape}")
+    if not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a)
+    a.flags.writeable = False  # nothing we run may change the weights
+    return a
+
+
+def random_weights(config: GPT2Config, seed: int = 0, dtype: str = "float32") -> GPT2Weights:
     """Seeded random weights with GPT-2's shapes and its initialisation scales.
 
     Matrices ~ N(0, 0.02) (residual projections scaled by 1/sqrt(2 n_layer), as
     GPT-2 does); unlike a fresh GPT-2, biases and layernorm parameters are random
     too, so that a test can tell when one of them is dropped or misplaced.
+    ``dtype`` stores the matrices compactly ("bfloat16", "int8") from those values.
     """
     rng = np.random.default_rng(seed)
     cfg, L, C = config, config.n_layer, config.n_embd
@@ -128,10 +175,10 @@ def random_weights(config: GPT2Config, seed: int = 0) -> GPT2Weights:
         mlp_c_proj_b=normal((L, C), 0.02),
         ln_f_g=normal((C,), 0.1, 1.0),
         ln_f_b=normal((C,), 0.02),
-    )
+    ).astype(dtype)
 
 
-def load_weights(path: str | Path) -> GPT2Weights:
+def load_weights(path: str | Path, dtype: str = "float32") -> GPT2Weights:
     """Load GPT-2 weights from a safetensors checkpoint.
 
     ``path`` is a directory holding ``model.safetensors`` (and ``config.json``,
@@ -139,7 +186,10 @@ def load_weights(path: str | Path) -> GPT2Weights:
     config is inferred from the tensor shapes (head_dim 64). Both layouts of real
     GPT-2 checkpoints load: ``transformer.``-prefixed keys (``save_pretrained``)
     and bare keys (``openai-community/gpt2``). float32, float16 and bfloat16
-    tensors are read and kept as float32.
+    tensors are read; ``dtype`` says how the matrices are kept ("float32",
+    "bfloat16" or "int8", see compact.py), one tensor at a time, never the whole
+    model in float32 on the way; a bfloat16 file read as bfloat16 is copied
+    as it is, and so is an int8 file that save_weights wrote.
 
     Raises CheckpointNotFoundError for a missing path and CheckpointError for an
     unreadable file, a missing, mis-shaped or non-finite tensor, an untied
@@ -147,6 +197,8 @@ def load_weights(path: str | Path) -> GPT2Weights:
     """
     from safetensors import SafetensorError, safe_open
 
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"checkpoint {str(path)!r} does not exist")
@@ -165,7 +217,7 @@ def load_weights(path: str | Path) -> GPT2Weights:
         # get_tensor would copy each one out of a memory map that, once read, counts
         # against the process's resident memory beside our copy, doubling the peak.
         with safe_open(str(file), framework="numpy") as f, open(file, "rb", buffering=0) as raw:
-            return _read(f, _TensorReader(raw), file, config)
+            return _read(f, _TensorReader(raw), file, config, dtype)
     except SafetensorError as e:
         raise CheckpointError(f"{str(file)!r} is not a readable safetensors file: {e}") from None
 
@@ -173,7 +225,7 @@ def load_weights(path: str | Path) -> GPT2Weights:
 class _TensorReader:
     """Reads a tensor's bytes from a safetensors file into a float32 array."""
 
-    _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+    _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "I8": np.dtype("i1")}
 
     def __init__(self, raw):
         self.raw = raw
@@ -181,26 +233,38 @@ class _TensorReader:
         self.header = json.loads(raw.read(header_len))
         self.data_start = 8 + header_len
 
+    def dtype(self, name: str) -> str:
+        return self.header[name]["dtype"]
+
     def read_into(self, name: str, dest: np.ndarray) -> None:
-        info = self.header[name]
-        dtype = info["dtype"]
-        if dtype not in self._DTYPES:
+        """The tensor's float32 values into float32 ``dest``."""
+        dtype = self.dtype(name)
+        if dtype not in ("F32", "F16", "BF16"):
             raise CheckpointError(f"tensor {name!r} has dtype {dtype}; expected F32, F16 or BF16")
-        self.raw.seek(self.data_start + info["data_offsets"][0])
-        if dtype == "F32" and sys.byteorder == "little":
-            if self.raw.readinto(memoryview(dest).cast("B")) != dest.nbytes:
-                raise CheckpointError(f"tensor {name!r} is cut short")
+        if dtype == "F32":
+            self.read_stored(name, dest)
             return
-        stored = np.fromfile(self.raw, self._DTYPES[dtype], dest.size).reshape(dest.shape)
-        if dtype == "BF16":  # a bfloat16 is the top half of a float32
-            dest.view(np.uint32)[...] = stored.astype(np.uint32) << 16
-        else:
-            dest[...] = stored
+        stored = self._fromfile(name, dest.size).reshape(dest.shape)
+        dest[...] = compact.from_bfloat16(stored) if dtype == "BF16" else stored
+
+    def read_stored(self, name: str, dest: np.ndarray) -> None:
+        """The tensor's bytes as they are into ``dest`` of the same format (F32, BF16 as uint16, I8)."""
+        if sys.byteorder != "little" or dest.itemsize == 1:
+            dest[...] = self._fromfile(name, dest.size).reshape(dest.shape)
+            return
+        self.raw.seek(self.data_start + self.header[name]["data_offsets"][0])
+        if self.raw.readinto(memoryview(dest).cast("B")) != dest.nbytes:
+            raise CheckpointError(f"tensor {name!r} is cut short")
+
+    def _fromfile(self, name: str, count: int) -> np.ndarray:
+        self.raw.seek(self.data_start + self.header[name]["data_offsets"][0])
+        return np.fromfile(self.raw, self._DTYPES[self.dtype(name)], count)
 
 
-def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None) -> GPT2Weights:
+def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype: str) -> GPT2Weights:
     """Gather, check and stack the tensors of an open safetensors file."""
     names = set(f.keys())
+    int8_file = any(n.endswith(_SCALE) for n in names)
     prefix = "transformer." if "transformer.wte.weight" in names else ""
 
     def shape(name):
@@ -232,30 +296,78 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None) -> GP
     missing = sorted(set(expected) - names, key=_natural)
     if missing:
         raise CheckpointError(f"{str(file)!r} lacks tensor {missing[0]!r} ({len(missing)} missing in all)")
-    known = set(expected) | {"lm_head.weight"}
+    known = set(expected) | {"lm_head.weight"} | {n for n in names if int8_file and n.endswith(_SCALE)}
     unknown = sorted(n for n in names - known if not _IGNORED.search(n))
     if unknown:
         raise CheckpointError(f"{str(file)!r} has unexpected tensor {unknown[0]!r}; is this GPT-2?")
 
-    arrays = {field: np.empty(shape, np.float32) for field, shape in _field_shapes(config)}
+    arrays = {field: np.empty(shape, STORAGE[dtype] if field in MATRICES else np.float32)
+              for field, shape in _field_shapes(config)}
+    scales = {field: np.empty(compact.scale_shape(field, arrays[field].shape), np.float32)
+              for field in MATRICES} if dtype == "int8" else None
     for name, (field, layer, want) in expected.items():
         got = shape(name[len(prefix):])
         if got != want:
             raise CheckpointError(f"tensor {name!r} has shape {list(got)}, expected {list(want)}")
-        dest = arrays[field] if layer is None else arrays[field][layer]
-        reader.read_into(name, dest)
-        if not np.isfinite(dest).all():
-            raise CheckpointError(f"tensor {name!r} holds non-finite values (nan or inf)")
+        at = ... if layer is None else layer
+        if field not in MATRICES or dtype == "float32" and not int8_file:
+            reader.read_into(name, arrays[field][at])
+            _check_finite(name, arrays[field][at])
+        elif (dtype, reader.dtype(name)) in (("bfloat16", "BF16"), ("int8", "I8")):  # as stored
+            reader.read_stored(name, arrays[field][at])
+            if dtype == "int8":
+                _read_scale(f, reader, name, scales[field][at])
+            else:
+                _check_finite(name, compact.from_bfloat16(arrays[field][at]))
+        else:  # through float32, one tensor at a time
+            values = _read_float32(f, reader, name, field, want)
+            _check_finite(name, values)
+            stored, scale = compact.compress(field, values, dtype)
+            arrays[field][at] = stored
+            if scales is not None:
+                scales[field][at] = scale
     if "lm_head.weight" in names:
         lm_head = np.empty(tuple(f.get_slice("lm_head.weight").get_shape()), np.float32)
         if lm_head.shape == arrays["wte"].shape:
             reader.read_into("lm_head.weight", lm_head)
-        if lm_head.shape != arrays["wte"].shape or not np.array_equal(lm_head, arrays["wte"]):
+        if lm_head.shape != arrays["wte"].shape or not np.array_equal(
+                compact.compress("wte", lm_head, dtype)[0], arrays["wte"]):
             raise CheckpointError(
                 f"{str(file)!r} has an lm_head.weight that differs from wte.weight; "
                 "gpt2numba supports only GPT-2's tied output head"
             )
-    return GPT2Weights(config=config, **arrays)
+    return GPT2Weights(config=config, **arrays, dtype=dtype, scales=scales)
+
+
+_SCALE = "_scale"  # an int8 file's scales of tensor NAME: NAME_scale (save_weights writes them)
+
+
+def _read_scale(f, reader, name, dest):
+    if name + _SCALE not in reader.header:
+        raise CheckpointError(f"int8 tensor {name!r} has no {name + _SCALE!r}")
+    got = tuple(f.get_slice(name + _SCALE).get_shape())
+    if got != dest.shape or reader.dtype(name + _SCALE) != "F32":
+        raise CheckpointError(f"tensor {name + _SCALE!r} is not F32 of shape {list(dest.shape)}")
+    reader.read_stored(name + _SCALE, dest)
+    _check_finite(name + _SCALE, dest)
+
+
+def _read_float32(f, reader, name, field, shape) -> np.ndarray:
+    """One matrix's float32 values, dequantised if the file holds int8."""
+    if reader.dtype(name) != "I8":
+        values = np.empty(shape, np.float32)
+        reader.read_into(name, values)
+        return values
+    q = np.empty(shape, np.int8)
+    reader.read_stored(name, q)
+    scale = np.empty(compact.scale_shape(field, shape), np.float32)
+    _read_scale(f, reader, name, scale)
+    return compact.dequantize(field, q, scale)
+
+
+def _check_finite(name, a):
+    if not np.isfinite(a).all():
+        raise CheckpointError(f"tensor {name!r} holds non-finite values (nan or inf)")
 
 
 def _infer_config(wte_shape, wpe_shape, n_layer, file) -> GPT2Config:
@@ -283,31 +395,56 @@ def _natural(name: str):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def save_weights(w: GPT2Weights, path: str | Path, dtype: str = "float32") -> None:
+def save_weights(w: GPT2Weights, path: str | Path, dtype: str | None = None) -> None:
     """Write ``w`` as a checkpoint directory in the ``save_pretrained`` layout.
 
-    ``dtype`` is "float32", "float16" or "bfloat16". The directory gets
-    config.json and model.safetensors with ``transformer.``-prefixed keys.
+    The directory gets config.json and model.safetensors with ``transformer.``-
+    prefixed keys. ``dtype`` (default: the weights' own) is "float32", "float16",
+    "bfloat16" (files any GPT-2 loader reads) or "int8": gpt2numba's own format,
+    each matrix as I8 beside its F32 scales in NAME_scale, so that quantisation is
+    paid once; load_weights(path, dtype="int8") reads it back bit for bit.
     """
     from safetensors.numpy import save_file
 
-    if dtype not in ("float32", "float16", "bfloat16"):
-        raise CheckpointError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        np_dtype = ml_dtypes.bfloat16
-    else:
-        np_dtype = np.dtype(dtype)
+    dtype = dtype or w.dtype
+    if dtype not in ("float32", "float16", "bfloat16", "int8"):
+        raise ConfigError(f"dtype must be float32, float16, bfloat16 or int8, got {dtype!r}")
+    if dtype in ("bfloat16", "int8"):
+        w = w.astype(dtype)  # as it is if already so
     cfg = w.config
     tensors = {}
+
+    def put(name, field, layer):
+        at = ... if layer is None else layer
+        a = getattr(w, field)[at]
+        if field in MATRICES and dtype == "int8":
+            tensors[name + _SCALE] = w.scales[field][at]
+        elif field in MATRICES:
+            a = w.matrix(field)[at] if dtype != "bfloat16" else a
+            if dtype == "bfloat16":
+                import ml_dtypes
+                a = a.view(ml_dtypes.bfloat16)
+        if a.dtype == np.float32 and dtype in ("float16", "bfloat16"):
+            a = _cast16(a, dtype)
+        tensors[name] = np.ascontiguousarray(a)
+
     for field, name, _ in _MODEL_TENSORS:
-        tensors[f"transformer.{name}"] = getattr(w, field).astype(np_dtype)
+        put(f"transformer.{name}", field, None)
     for layer in range(cfg.n_layer):
         for field, name, _ in _LAYER_TENSORS:
-            tensors[f"transformer.h.{layer}.{name}"] = getattr(w, field)[layer].astype(np_dtype)
+            put(f"transformer.h.{layer}.{name}", field, layer)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
-    config = dataclasses.asdict(cfg) | {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+    config = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size",
+                                           "layer_norm_epsilon")}
+    config |= {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _cast16(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float16":
+        return a.astype(np.float16)
+    import ml_dtypes
+
+    return compact.to_bfloat16(a).view(ml_dtypes.bfloat16)

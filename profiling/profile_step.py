@@ -1,6 +1,6 @@
 """Where the time of one prefill and one decode step goes, per kernel kind.
 
-    python profiling/profile_step.py [--prompt 512] [--context 128] [--repeat 5]
+    python profiling/profile_step.py [--prompt 512] [--context 128] [--repeat 5] [--dtype int8]
 
 Wraps each kernel the forward pass calls with a timer (the calls are synchronous,
 so wall time per call is the kernel's time), runs the step --repeat times after a
@@ -17,17 +17,17 @@ import gpt2numba as g
 from gpt2numba import kvcache
 
 
+MATRIX_KINDS = {"c_attn_w": "qkv (c_attn)", "attn_c_proj_w": "attn c_proj",
+                "c_fc_w": "mlp c_fc", "mlp_c_proj_w": "mlp c_proj"}
+
+
 def instrument(totals, cfg):
     """Replace kvcache's kernels with timed wrappers; return a function that undoes it."""
-    C = cfg.n_embd
-
-    def kind_of_linear(x, w, *args, **kwargs):
-        K, N = w.shape
-        return {3 * C: "qkv (c_attn)", 4 * C: "mlp c_fc"}.get(N, "mlp c_proj" if K == 4 * C else "attn c_proj")
-
+    head = lambda *a, **k: "head (wte)"  # noqa: E731
     kinds = {"_layernorm": lambda *a, **k: "layernorm", "_write_kv": lambda *a, **k: "cache write",
              "_attend": lambda *a, **k: "attention", "_gelu": lambda *a, **k: "gelu",
-             "_head": lambda *a, **k: "head (wte)", "_linear": kind_of_linear}
+             "_head": head, "_head_bf16": head, "_head_int8": head,
+             "_matmul": lambda x, field, *a, **k: MATRIX_KINDS[field]}
     saved = {name: getattr(kvcache, name) for name in kinds}
 
     def timed(name, fn):
@@ -68,11 +68,13 @@ def profile(label, step, repeat, cfg):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"])
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args()
-    w = g.load_weights(args.model) if args.model else g.random_weights(g.GPT2Config.small(), seed=0)
+    w = (g.load_weights(args.model, dtype=args.dtype) if args.model
+         else g.random_weights(g.GPT2Config.small(), seed=0, dtype=args.dtype))
     rng = np.random.default_rng(0)
     mc = g.ModelCache(w.config)
     g.prefill(rng.integers(0, w.config.vocab_size, 4), w, mc)  # compile or load the kernels

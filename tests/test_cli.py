@@ -22,6 +22,15 @@ def test_check_on_a_checkpoint(tmp_path):
     assert r.stdout.count(" ok;") == 2
 
 
+def test_check_compact_dtypes(tmp_path):
+    write_dir(g.random_weights(TINY, seed=3), tmp_path)
+    for dtype in ("bfloat16", "int8"):
+        r = run("check", "--model", str(tmp_path), "--dtype", dtype, "--prompts", "1", "--prompt-len", "9",
+                "--decode", "2")
+        assert r.returncode == 0, r.stderr
+        assert dtype in r.stdout and "all of 1 prompts match the oracle" in r.stdout
+
+
 def test_check_default_weights_from_environment(tmp_path):
     write_dir(g.random_weights(TINY, seed=3), tmp_path)
     r = run("check", "--prompts", "1", "--prompt-len", "5", "--decode", "1", env={"GPT2NUMBA_WEIGHTS": str(tmp_path)})
