@@ -223,7 +223,7 @@ def load_weights(path: str | Path, dtype: str = "float32") -> GPT2Weights:
 
 
 class _TensorReader:
-    """Reads a tensor's bytes from a safetensors file into a float32 array."""
+    """Reads tensors from an open safetensors file into preallocated arrays, by the header's offsets."""
 
     _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "I8": np.dtype("i1")}
 
