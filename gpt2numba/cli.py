@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens")
     gen.add_argument("--top-p", type=float, metavar="P", help="sample from the smallest set of mass P")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="default 1.0 (off)")
-    gen.add_argument("--seed", type=int, help="make the output reproducible")
+    gen.add_argument("--seed", type=_at_least(0), help="make the output reproducible")
     gen.add_argument("--no-stop", action="store_true", help="go on past <|endoftext|>")
     gen.add_argument("--slide", action="store_true",
                      help="at the end of the context, drop the oldest tokens and go on")
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--prompts", type=_at_least(1), default=3, help="random prompts to try (default 3)")
     check.add_argument("--prompt-len", type=_at_least(1), default=64, help="tokens per prompt (default 64)")
     check.add_argument("--decode", type=_at_least(0), default=8, help="greedy steps after each prefill (default 8)")
-    check.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    check.add_argument("--seed", type=_at_least(0), default=0, help="seed of the random prompts")
 
     bench = commands.add_parser("bench", help="prefill and decode timings (profiling/bench.py)",
                                 description="Prefill and decode timings; see profiling/bench.py --help.",
@@ -124,7 +124,7 @@ def _generate(args) -> int:
         if token != tokenizer.eot_id:
             sys.stdout.write(decode(token))
             sys.stdout.flush()
-    sys.stdout.write("\n")
+    sys.stdout.write(decode(None) + "\n")
     prefill_s = (stamps[0] - t_start) if stamps else 0.0
     decode_ms = 1e3 * np.median(np.diff(stamps)) if len(stamps) > 1 else float("nan")
     print(f"gpt2numba: {len(ids)} prompt tokens, {len(stamps)} new tokens; first token after {prefill_s:.2f} s "

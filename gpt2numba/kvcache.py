@@ -51,14 +51,21 @@ class ModelCache:
             raise ConfigError(f"max_len must be an integer, got {max_len!r}")
         if not 1 <= max_len <= config.n_positions:
             raise ConfigError(f"max_len={max_len} is outside [1, {config.n_positions}] (n_positions)")
-        self.config = config
-        self.max_len = int(max_len)
-        shape = (config.n_layer, config.n_head, self.max_len, config.head_dim)
-        self.k = np.zeros(shape, np.float32)  # (n_layer, n_head, max_len, head_dim)
-        self.v = np.zeros(shape, np.float32)  # (n_layer, n_head, max_len, head_dim)
+        self._config = config
+        self._max_len = int(max_len)
+        shape = (config.n_layer, config.n_head, self._max_len, config.head_dim)
+        self._k = np.zeros(shape, np.float32)  # (n_layer, n_head, max_len, head_dim)
+        self._v = np.zeros(shape, np.float32)  # (n_layer, n_head, max_len, head_dim)
         self._lengths = np.zeros(config.n_layer, np.int64)  # (n_layer,)
         self._length = 0
         self._work = _Workspace(config, self.max_len)
+
+    # Read-only attributes: the kernels write into these arrays without bounds checks,
+    # so they may not be replaced (their contents are the user's to read).
+    config = property(lambda self: self._config)
+    max_len = property(lambda self: self._max_len)
+    k = property(lambda self: self._k, doc="Keys, float32 (n_layer, n_head, max_len, head_dim).")
+    v = property(lambda self: self._v, doc="Values, float32 (n_layer, n_head, max_len, head_dim).")
 
     @property
     def length(self) -> int:
@@ -117,7 +124,7 @@ def prefill(prompt_ids, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
             f"a prompt of {len(ids)} tokens does not fit: the cache holds {mc.length} of "
             f"max_len={mc.max_len} positions, room for {mc.room}"
         )
-    return _logits(_forward(ids, w, mc), w)
+    return _forward(ids, w, mc)
 
 
 def decode_step(token_id: int, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
@@ -131,7 +138,7 @@ def decode_step(token_id: int, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
     token_id = checks.token_id(token_id, w.config.vocab_size)
     if mc.room == 0:
         raise CacheFullError(f"the cache is full: all max_len={mc.max_len} positions hold tokens")
-    return _logits(_forward(np.array([token_id], np.int64), w, mc), w)
+    return _forward(np.array([token_id], np.int64), w, mc)
 
 
 def run_prefill(prompt_ids) -> np.ndarray:
@@ -215,7 +222,10 @@ class _Workspace:
 
 
 def _forward(ids: np.ndarray, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
-    """All blocks over T checked tokens at positions mc.length..; returns x of the last, (C,)."""
+    """All blocks over T checked tokens at positions mc.length..; the last one's logits, (V,).
+
+    The cache's length moves only once everything has succeeded.
+    """
     cfg, work = w.config, mc._work
     T, start, eps = len(ids), mc.length, cfg.layer_norm_epsilon
     x, h, qkv, a, f = work.x[:T], work.h[:T], work.qkv[:T], work.a[:T], work.f[:T]
@@ -234,15 +244,15 @@ def _forward(ids: np.ndarray, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
                 linear(h, "c_fc_w", layer, w.c_fc_b[layer], out=f, accumulate=False)
                 _gelu(f)
                 linear(f, "mlp_c_proj_w", layer, w.mlp_c_proj_b[layer], out=x, accumulate=True)
+        if (mc._lengths != start + T).any():
+            skipped = np.flatnonzero(mc._lengths != start + T).tolist()
+            raise GPT2NumbaError(f"internal error: layers {skipped} did not write their cache rows")
+        logits = _logits(x[-1], w)
     except BaseException:
         mc._lengths[:] = start  # the rows written past start mean nothing again
         raise
-    if (mc._lengths != start + T).any():
-        skipped = np.flatnonzero(mc._lengths != start + T).tolist()
-        mc._lengths[:] = start
-        raise GPT2NumbaError(f"internal error: layers {skipped} did not write their cache rows")
     mc._length = start + T
-    return x[-1]
+    return logits
 
 
 def _matmul(x, field, layer, b, out, accumulate, w, work, threads):

@@ -6,6 +6,8 @@ kvcache.py must agree with it. Shapes: T = sequence length, C = n_embd.
 
 import numpy as np
 
+from . import checks
+from .errors import TokenError
 from .weights import GPT2Weights
 
 
@@ -59,8 +61,13 @@ def recompute_logits(ids, w: GPT2Weights) -> np.ndarray:
     weights are run on the float32 values they stand for.
     Returns a float64 array of shape (vocab_size,).
     """
+    from .kvcache import _check_weights  # the same checks as the engine's, none of its arithmetic
+
+    _check_weights(w)
+    ids = checks.token_ids(ids, w.config.vocab_size)
+    if len(ids) > w.config.n_positions:
+        raise TokenError(f"{len(ids)} tokens is more than n_positions={w.config.n_positions}")
     w = w.dequantized()
-    ids = np.asarray(ids, dtype=np.int64)
     T = len(ids)
     x = w.wte[ids].astype(np.float64) + w.wpe[:T].astype(np.float64)  # [T, C]
     for layer in range(w.config.n_layer):

@@ -45,16 +45,19 @@ class Sampler:
         if not _is_real(r) or not 0 < r < math.inf:
             raise SamplingError(f"repetition_penalty must be a finite number > 0, got {r!r}")
 
-    def __call__(self, logits: np.ndarray, previous, rng: np.random.Generator) -> int:
-        """One token id from float logits (vocab,), given the ids so far."""
-        z = logits.astype(np.float64)
+    def __call__(self, logits, previous, rng: np.random.Generator) -> int:
+        """One token id from float logits (vocab,), given the ids so far (ids in [0, vocab))."""
+        z = np.array(logits, dtype=np.float64)
+        if z.ndim != 1 or z.size == 0:
+            raise SamplingError(f"logits must be a non-empty 1-D array, got shape {z.shape}")
         if self.repetition_penalty != 1.0 and len(previous):
-            seen = np.unique(np.asarray(previous))
+            seen = np.unique(checks.token_ids(previous, z.size))
             z[seen] = np.where(z[seen] > 0, z[seen] / self.repetition_penalty, z[seen] * self.repetition_penalty)
         if self.temperature == 0:
             return int(np.argmax(z))
-        candidates = self.candidates(z / self.temperature)
-        probs = _softmax(z[candidates] / self.temperature)
+        z = (z - z.max()) / self.temperature  # <= 0: a tiny temperature gives -inf, never nan
+        candidates = self.candidates(z)
+        probs = _softmax(z[candidates])
         return int(candidates[min(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"),
                                   len(candidates) - 1)])
 
@@ -90,8 +93,8 @@ def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, temperature: fl
     sampler = Sampler(temperature, top_k, top_p, repetition_penalty)
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise SamplingError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if seed is not None and not _is_int(seed):
-        raise SamplingError(f"seed must be an integer or None, got {seed!r}")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise SamplingError(f"seed must be an integer >= 0 or None, got {seed!r}")
     ids = [int(t) for t in checks.token_ids(prompt_ids, cfg.vocab_size)]
     if len(ids) > cfg.n_positions:
         raise CacheFullError(f"the prompt has {len(ids)} tokens; the model's context is {cfg.n_positions}")
@@ -102,7 +105,7 @@ def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, temperature: fl
         )
     if cache is None:
         cache = ModelCache(cfg)
-    elif cache.config != cfg or cache.max_len != cfg.n_positions:
+    elif not isinstance(cache, ModelCache) or cache.config != cfg or cache.max_len != cfg.n_positions:
         raise ConfigError("generate needs a cache of the weights' config with max_len = n_positions")
     return _generate(ids, w, cache, sampler, max_new_tokens, np.random.default_rng(seed), stop_at_eos)
 
@@ -120,7 +123,7 @@ def _generate(ids, w, mc, sampler, max_new_tokens, rng, stop_at_eos):
             return
         if mc.room == 0:  # only reached with slide=True: keep the newest half, re-prefill
             mc.reset()
-            logits = prefill(ids[-(mc.max_len // 2):], w, mc)
+            logits = prefill(ids[-max(1, mc.max_len // 2):], w, mc)
         else:
             logits = decode_step(token, w, mc)
 
@@ -147,6 +150,9 @@ def generate_text(prompt: str, w: GPT2Weights, tokenizer: Tokenizer | None = Non
             text = decode(token)
             if text:
                 yield text
+        rest = decode(None)  # bytes of a character the generation stopped inside
+        if rest:
+            yield rest
     return pieces()
 
 

@@ -6,10 +6,11 @@ import codecs
 import functools
 import hashlib
 import json
+import os
 import tempfile
 from pathlib import Path
 
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, TokenTypeError
 
 EOT = "<|endoftext|>"
 EOT_ID = 50256
@@ -34,7 +35,7 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; the literal "<|endoftext|>" becomes its special id."""
         if not isinstance(text, str):
-            raise TypeError(f"encode takes a str, got {type(text).__name__}")
+            raise TokenTypeError(f"encode takes a str, got {type(text).__name__}")
         return self._enc.encode(text, allowed_special="all")
 
     def decode(self, ids) -> str:
@@ -45,9 +46,18 @@ class Tokenizer:
         return self._enc.decode_single_token_bytes(token_id)
 
     def stream_decoder(self):
-        """A function id -> text that holds back bytes until they complete a character."""
+        """A function id -> text that holds back bytes until they complete a character.
+
+        Call it with None at the end: it returns what is held back (as U+FFFD if
+        the character was never completed).
+        """
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        return lambda token_id: utf8.decode(self.token_bytes(token_id))
+
+        def decode(token_id):
+            if token_id is None:
+                return utf8.decode(b"", final=True)
+            return utf8.decode(self.token_bytes(token_id))
+        return decode
 
     def __repr__(self) -> str:
         return f"Tokenizer(n_vocab={self.n_vocab}, source={self.source!r})"
@@ -63,6 +73,8 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     tokenizer files that cannot be read.
     """
     if path is not None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise CheckpointNotFoundError(f"path must be a str or path, got {type(path).__name__}")
         path = Path(path)
         if not path.exists():
             raise CheckpointNotFoundError(f"{str(path)!r} does not exist")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -88,6 +89,7 @@ class GPT2Weights:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if (self.scales is not None) != (self.dtype == "int8"):
             raise ConfigError("int8 weights need scales, and only int8 weights have them")
+        _check_int8_width(self.config, self.dtype)
         arrays = [(field, shape, STORAGE[self.dtype] if field in MATRICES else np.float32)
                   for field, shape in _field_shapes(self.config)]
         for field, shape, dtype in arrays:
@@ -113,6 +115,7 @@ class GPT2Weights:
             return self
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        _check_int8_width(self.config, dtype)
         stored = {field: compact.compress(field, self.matrix(field), dtype) for field in MATRICES}
         return dataclasses.replace(
             self, dtype=dtype, **{field: a for field, (a, _) in stored.items()},
@@ -126,6 +129,11 @@ class GPT2Weights:
                                    **{field: self.matrix(field) for field in MATRICES})
 
 
+def _check_int8_width(config: GPT2Config, dtype: str) -> None:
+    if dtype == "int8" and config.n_embd % compact.GROUP:
+        raise ConfigError(f"int8 weights need n_embd divisible by {compact.GROUP}, got {config.n_embd}")
+
+
 def _checked(name, a, shape, dtype):
     """``a`` as a C-contiguous, read-only array of ``shape`` and ``dtype``, or CheckpointError."""
     if not isinstance(a, np.ndarray) or a.dtype != dtype:
@@ -133,8 +141,7 @@ def _checked(name, a, shape, dtype):
                               f"{getattr(a, 'dtype', type(a).__name__)}")
     if a.shape != shape:
         raise CheckpointError(f"{name} has shape {a.shape}, expected {shape}")
-    if not a.flags.c_contiguous:
-        a = np.ascontiguousarray(a)
+    a = np.ascontiguousarray(a).view()  # a view: the caller's own array stays writable
     a.flags.writeable = False  # nothing we run may change the weights
     return a
 
@@ -147,6 +154,13 @@ def random_weights(config: GPT2Config, seed: int = 0, dtype: str = "float32") ->
     too, so that a test can tell when one of them is dropped or misplaced.
     ``dtype`` stores the matrices compactly ("bfloat16", "int8") from those values.
     """
+    if not isinstance(config, GPT2Config):
+        raise ConfigError(f"random_weights needs a GPT2Config, got {type(config).__name__}")
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    _check_int8_width(config, dtype)
     rng = np.random.default_rng(seed)
     cfg, L, C = config, config.n_layer, config.n_embd
 
@@ -199,6 +213,8 @@ def load_weights(path: str | Path, dtype: str = "float32") -> GPT2Weights:
 
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointNotFoundError(f"path must be a str or path, got {type(path).__name__}")
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"checkpoint {str(path)!r} does not exist")
@@ -287,6 +303,7 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
             f"vocab_size={inferred.vocab_size}, n_positions={inferred.n_positions}"
         )
 
+    _check_int8_width(config, dtype)
     expected = {}  # checkpoint name -> (field, layer or None, shape)
     for field, name, shape_of in _MODEL_TENSORS:
         expected[prefix + name] = (field, None, shape_of(config))
@@ -406,24 +423,32 @@ def save_weights(w: GPT2Weights, path: str | Path, dtype: str | None = None) -> 
     """
     from safetensors.numpy import save_file
 
+    if not isinstance(w, GPT2Weights):
+        raise ConfigError(f"save_weights needs GPT2Weights, got {type(w).__name__}")
     dtype = dtype or w.dtype
     if dtype not in ("float32", "float16", "bfloat16", "int8"):
         raise ConfigError(f"dtype must be float32, float16, bfloat16 or int8, got {dtype!r}")
+    if Path(path).exists() and not Path(path).is_dir():
+        raise CheckpointError(f"{str(path)!r} is a file; save_weights writes a directory")
     if dtype in ("bfloat16", "int8"):
         w = w.astype(dtype)  # as it is if already so
     cfg = w.config
     tensors = {}
+    # (L, ...) arrays as the file stores them, each kind converted once
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        stored = {field: getattr(w, field).view(ml_dtypes.bfloat16) for field in MATRICES}
+    elif dtype == "int8":
+        stored = {field: getattr(w, field) for field in MATRICES}
+    else:
+        stored = {field: w.matrix(field) for field in MATRICES}
 
     def put(name, field, layer):
         at = ... if layer is None else layer
-        a = getattr(w, field)[at]
+        a = stored[field][at] if field in MATRICES else getattr(w, field)[at]
         if field in MATRICES and dtype == "int8":
             tensors[name + _SCALE] = w.scales[field][at]
-        elif field in MATRICES:
-            a = w.matrix(field)[at] if dtype != "bfloat16" else a
-            if dtype == "bfloat16":
-                import ml_dtypes
-                a = a.view(ml_dtypes.bfloat16)
         if a.dtype == np.float32 and dtype in ("float16", "bfloat16"):
             a = _cast16(a, dtype)
         tensors[name] = np.ascontiguousarray(a)

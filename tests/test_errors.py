@@ -132,6 +132,26 @@ def test_reset_and_reuse(tiny, filled):
     np.testing.assert_array_equal(g.prefill([9, 8, 7], tiny, mc), g.prefill([9, 8, 7], tiny, fresh))
 
 
+def test_cache_arrays_cannot_be_replaced(filled):
+    mc, _ = filled
+    for name in ("k", "v", "max_len", "config"):
+        with pytest.raises(AttributeError):
+            setattr(mc, name, None)
+
+
+def test_interrupted_head_leaves_the_cache(tiny, filled, monkeypatch):
+    """An exception in the output head, after every layer wrote its rows, still rolls back."""
+    mc, (length, lengths, _, _) = filled
+    from gpt2numba import kvcache
+
+    def broken(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(kvcache, "_head", broken)
+    with pytest.raises(KeyboardInterrupt):
+        g.prefill([1, 2], tiny, mc)
+    assert mc.length == length and (mc.lengths == lengths).all()
+
+
 def test_interrupted_forward_leaves_lengths(tiny, filled, monkeypatch):
     """An exception inside the layer loop (here, from the attention kernel) rolls lengths back."""
     mc, (length, lengths, _, _) = filled
@@ -143,3 +163,44 @@ def test_interrupted_forward_leaves_lengths(tiny, filled, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         g.prefill([1, 2], tiny, mc)
     assert mc.length == length and (mc.lengths == lengths).all()
+
+
+@pytest.mark.parametrize("ids, error, match", [
+    ([], g.TokenError, "empty"), ([-1], g.TokenError, "outside"), ([512], g.TokenError, "outside"),
+    ([1.7], g.TokenTypeError, "integer"), (list(range(65)), g.TokenError, "n_positions=64"),
+])
+def test_oracle_checks_its_input(tiny, ids, error, match):
+    with pytest.raises(error, match=match):
+        g.recompute_logits(ids, tiny)
+    with pytest.raises(g.ConfigError, match="GPT2Weights"):
+        g.recompute_logits([1], None)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: g.random_weights(None), g.ConfigError, "GPT2Config"),
+    (lambda: g.random_weights(TINY, seed=-1), g.ConfigError, "seed"),
+    (lambda: g.random_weights(g.GPT2Config(n_layer=1, n_head=1, n_embd=48, n_positions=8, vocab_size=32),
+                              dtype="int8"), g.ConfigError, "divisible by 32"),
+    (lambda: g.load_weights(None), g.CheckpointNotFoundError, "NoneType"),
+    (lambda: g.load_tokenizer(5), g.CheckpointNotFoundError, "int"),
+    (lambda: g.save_weights(None, "x"), g.ConfigError, "GPT2Weights"),
+    (lambda: g.load_tokenizer().encode(b"bytes"), g.TokenTypeError, "bytes"),
+])
+def test_more_bad_arguments(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_save_weights_onto_a_file(tiny, tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(g.CheckpointError, match="is a file"):
+        g.save_weights(tiny, tmp_path / "f")
+
+
+def test_weights_do_not_freeze_the_callers_arrays(tiny):
+    import dataclasses
+
+    mine = tiny.wte.copy()
+    w = dataclasses.replace(tiny, wte=mine)
+    mine[0, 0] = 1.0  # still writable
+    assert not w.wte.flags.writeable

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import gpt2numba as g
 from conftest import TINY
 
-logit_vectors = st.lists(st.floats(-20, 20), min_size=2, max_size=60, unique=True).map(
+logit_vectors = st.lists(st.floats(-20, 20, width=32), min_size=2, max_size=60, unique_by=lambda v: v + 0.0).map(  # distinct float32 logits (0.0 == -0.0)
     lambda x: np.array(x, np.float32))
 
 
@@ -111,3 +111,32 @@ def test_generate_text_streams_pieces(tiny):
     tok = g.load_tokenizer()
     tokens = list(g.generate(tok.encode("Hello world"), w, max_new_tokens=10, seed=0, stop_at_eos=False))
     assert "".join(pieces) == tok.decode(tokens)
+
+
+def test_more_bad_generate_arguments(tiny):
+    with pytest.raises(g.SamplingError, match="seed"):
+        g.generate([1], tiny, max_new_tokens=2, seed=-1)
+    with pytest.raises(g.ConfigError, match="cache"):
+        g.generate([1], tiny, max_new_tokens=2, cache=5)
+    with pytest.raises(g.TokenError, match="outside"):
+        g.Sampler(repetition_penalty=1.2)(np.zeros(4), [7], None)
+
+
+def test_tiny_temperature_is_still_the_argmax():
+    z = np.array([5.0, 1.0, 4.0])
+    rng = np.random.default_rng(0)
+    assert all(g.Sampler(temperature=1e-310)(z, [], rng) == 0 for _ in range(10))
+
+
+def test_slide_with_a_one_position_model():
+    import dataclasses
+
+    w = g.random_weights(dataclasses.replace(TINY, n_positions=1), seed=0)
+    assert len(list(g.generate([1], w, max_new_tokens=3, temperature=0, stop_at_eos=False, slide=True))) == 3
+
+
+def test_stream_decoder_flushes_a_cut_character():
+    tok = g.load_tokenizer()
+    decode = tok.stream_decoder()
+    ids = tok.encode("🙂")
+    assert len(ids) > 1 and decode(ids[0]) == "" and decode(None) == "\ufffd"
