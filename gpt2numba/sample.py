@@ -55,7 +55,8 @@ class Sampler:
             z[seen] = np.where(z[seen] > 0, z[seen] / self.repetition_penalty, z[seen] * self.repetition_penalty)
         if self.temperature == 0:
             return int(np.argmax(z))
-        z = (z - z.max()) / self.temperature  # <= 0: a tiny temperature gives -inf, never nan
+        with np.errstate(over="ignore"):  # <= 0: a tiny temperature gives -inf, never nan
+            z = (z - z.max()) / self.temperature
         candidates = self.candidates(z)
         probs = _softmax(z[candidates])
         return int(candidates[min(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"),
