@@ -261,10 +261,17 @@ def _prefill_flops(cfg, T):
 
 # --- alternating runs --------------------------------------------------------------------------------
 
+def _progress(items, what):
+    """A progress bar on stderr over ``items`` (the benchmark takes minutes)."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=what, unit="block", file=sys.stderr, leave=False)
+
+
 def _prefill_runs(systems, w, args):
     rng = np.random.default_rng(0)
     results = {}
-    for T in args.lengths:
+    for T in _progress(args.lengths, "prefill"):
         if T > w.config.n_positions:
             continue
         ids = rng.integers(0, w.config.vocab_size, T)
@@ -285,7 +292,7 @@ def _prefill_runs(systems, w, args):
 def _decode_runs(systems, w, args):
     rng = np.random.default_rng(1)
     results = {}
-    for context in args.contexts:
+    for context in _progress(args.contexts, "decode"):
         if context + args.steps + 1 > w.config.n_positions:
             continue
         ids = rng.integers(0, w.config.vocab_size, context)

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompt", metavar="PROMPT")
     gen.add_argument("--model", help=model_help)
     gen.add_argument("--dtype", default="float32", choices=DTYPES, help=dtype_help)
+    gen.add_argument("--threads", type=_at_least(1), help="threads to use (default: the cores)")
     gen.add_argument("--max-new-tokens", type=_at_least(0), default=50, metavar="N", help="default 50")
     gen.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 is greedy (default 1.0)")
     gen.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens")
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         "the float64 oracle. Exits 1 on a mismatch.")
     check.add_argument("--model", help=model_help)
     check.add_argument("--dtype", default="float32", choices=DTYPES, help=dtype_help)
+    check.add_argument("--threads", type=_at_least(1), help="threads to use (default: the cores)")
     check.add_argument("--prompts", type=_at_least(1), default=3, help="random prompts to try (default 3)")
     check.add_argument("--prompt-len", type=_at_least(1), default=64, help="tokens per prompt (default 64)")
     check.add_argument("--decode", type=_at_least(0), default=8, help="greedy steps after each prefill (default 8)")
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "threads", None):
+            kvcache.set_threads(args.threads)
         if args.command == "bench":
             from .bench import main as bench_main
 
