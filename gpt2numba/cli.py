@@ -84,7 +84,7 @@ def resolve_model(model: str | None, dtype: str = "float32"):
     """(weights, checkpoint path or None, description) for a --model value."""
     if model is None:
         env = os.environ.get("GPT2NUMBA_WEIGHTS")
-        return kvcache.default_weights().astype(dtype), env, env or RANDOM_NOTE
+        return kvcache.default_weights().astype(dtype), env, env or "random GPT-2 small weights (seed 0)"
     path = Path(model)
     if not path.exists() and model.count("/") == 1 and not model.startswith((".", "/")):
         path = _download(model)
