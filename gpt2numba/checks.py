@@ -7,9 +7,19 @@ import numpy as np
 from .errors import TokenError, TokenTypeError
 
 
+def is_integer(value) -> bool:
+    """A Python or NumPy integer, and not a bool (which Python counts as an int)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_real(value) -> bool:
+    """A Python or NumPy integer or float, and not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
 def token_id(value, vocab_size: int, what: str = "token id") -> int:
     """``value`` as an int in [0, vocab_size), or TokenTypeError / TokenError."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if not is_integer(value):
         raise TokenTypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
     if not 0 <= value < vocab_size:
         raise TokenError(f"{what} {value} is outside [0, {vocab_size})")
@@ -45,7 +55,7 @@ def token_ids(values, vocab_size: int) -> np.ndarray:
 
 def position(value, n_positions: int) -> int:
     """``value`` as an int in [0, n_positions), or TokenTypeError / TokenError."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if not is_integer(value):
         raise TokenTypeError(f"position must be an integer, got {value!r} ({type(value).__name__})")
     if not 0 <= value < n_positions:
         raise TokenError(f"position {value} is outside [0, {n_positions}) (n_positions)")

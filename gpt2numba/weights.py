@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import compact
+from . import checks, compact
 from .compact import DTYPES, MATRICES, STORAGE
 from .config import HEAD_DIM, GPT2Config
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
@@ -85,11 +85,9 @@ class GPT2Weights:
     scales: dict | None = None  # int8: matrix field -> float32 scales, compact.scale_shape
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check_dtype(self.dtype, self.config)
         if (self.scales is not None) != (self.dtype == "int8"):
             raise ConfigError("int8 weights need scales, and only int8 weights have them")
-        _check_int8_width(self.config, self.dtype)
         arrays = [(field, shape, STORAGE[self.dtype] if field in MATRICES else np.float32)
                   for field, shape in _field_shapes(self.config)]
         for field, shape, dtype in arrays:
@@ -113,9 +111,7 @@ class GPT2Weights:
         """These weights with their matrices stored as ``dtype`` (from float32 values)."""
         if dtype == self.dtype:
             return self
-        if dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        _check_int8_width(self.config, dtype)
+        _check_dtype(dtype, self.config)
         stored = {field: compact.compress(field, self.matrix(field), dtype) for field in MATRICES}
         return dataclasses.replace(
             self, dtype=dtype, **{field: a for field, (a, _) in stored.items()},
@@ -129,8 +125,11 @@ class GPT2Weights:
                                    **{field: self.matrix(field) for field in MATRICES})
 
 
-def _check_int8_width(config: GPT2Config, dtype: str) -> None:
-    if dtype == "int8" and config.n_embd % compact.GROUP:
+def _check_dtype(dtype: str, config: GPT2Config | None = None) -> None:
+    """ConfigError unless ``dtype`` is a storage format (and, given a config, one it fits)."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "int8" and config is not None and config.n_embd % compact.GROUP:
         raise ConfigError(f"int8 weights need n_embd divisible by {compact.GROUP}, got {config.n_embd}")
 
 
@@ -156,11 +155,9 @@ def random_weights(config: GPT2Config, seed: int = 0, dtype: str = "float32") ->
     """
     if not isinstance(config, GPT2Config):
         raise ConfigError(f"random_weights needs a GPT2Config, got {type(config).__name__}")
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    if not checks.is_integer(seed) or seed < 0:
         raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    _check_int8_width(config, dtype)
+    _check_dtype(dtype, config)
     rng = np.random.default_rng(seed)
     cfg, L, C = config, config.n_layer, config.n_embd
 
@@ -211,8 +208,7 @@ def load_weights(path: str | Path, dtype: str = "float32") -> GPT2Weights:
     """
     from safetensors import SafetensorError, safe_open
 
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    _check_dtype(dtype)  # the config, known later, is checked against it in _read
     if not isinstance(path, (str, os.PathLike)):
         raise CheckpointNotFoundError(f"path must be a str or path, got {type(path).__name__}")
     path = Path(path)
@@ -303,7 +299,7 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
             f"vocab_size={inferred.vocab_size}, n_positions={inferred.n_positions}"
         )
 
-    _check_int8_width(config, dtype)
+    _check_dtype(dtype, config)
     expected = {}  # checkpoint name -> (field, layer or None, shape)
     for field, name, shape_of in _MODEL_TENSORS:
         expected[prefix + name] = (field, None, shape_of(config))
