@@ -12,10 +12,9 @@ import os
 import numba
 import numpy as np
 
-from . import checks
+from . import checks, compact
 from .config import GPT2Config
 from .errors import CacheFullError, ConfigError, GPT2NumbaError
-from . import compact
 from .kernels import (
     ATTEND_TILE,
     _attend,
@@ -47,7 +46,7 @@ class ModelCache:
             raise ConfigError(f"ModelCache needs a GPT2Config, got {type(config).__name__}")
         if max_len is None:
             max_len = config.n_positions
-        if isinstance(max_len, (bool, np.bool_)) or not isinstance(max_len, (int, np.integer)):
+        if not checks.is_integer(max_len):
             raise ConfigError(f"max_len must be an integer, got {max_len!r}")
         if not 1 <= max_len <= config.n_positions:
             raise ConfigError(f"max_len={max_len} is outside [1, {config.n_positions}] (n_positions)")
@@ -230,7 +229,8 @@ def _forward(ids: np.ndarray, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
     T, start, eps = len(ids), mc.length, cfg.layer_norm_epsilon
     x, h, qkv, a, f = work.x[:T], work.h[:T], work.qkv[:T], work.a[:T], work.f[:T]
     x[...] = _embed(ids, start, w)
-    linear = functools.partial(_matmul, w=w, work=work, threads=numba.get_num_threads())
+    threads = numba.get_num_threads()
+    linear = functools.partial(_matmul, w=w, work=work, threads=threads)
     try:
         with _one_blas_thread():
             for layer in range(cfg.n_layer):
@@ -244,10 +244,10 @@ def _forward(ids: np.ndarray, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
                 linear(h, "c_fc_w", layer, w.c_fc_b[layer], out=f, accumulate=False)
                 _gelu(f)
                 linear(f, "mlp_c_proj_w", layer, w.mlp_c_proj_b[layer], out=x, accumulate=True)
-        if (mc._lengths != start + T).any():
-            skipped = np.flatnonzero(mc._lengths != start + T).tolist()
-            raise GPT2NumbaError(f"internal error: layers {skipped} did not write their cache rows")
-        logits = _logits(x[-1], w)
+            if (mc._lengths != start + T).any():
+                skipped = np.flatnonzero(mc._lengths != start + T).tolist()
+                raise GPT2NumbaError(f"internal error: layers {skipped} did not write their cache rows")
+            logits = _logits(x[-1], w, threads)
     except BaseException:
         mc._lengths[:] = start  # the rows written past start mean nothing again
         raise
@@ -275,19 +275,17 @@ def _matmul(x, field, layer, b, out, accumulate, w, work, threads):
         _linear(x, dense, b, scratch, out, accumulate, threads, _split_k(T))
 
 
-def _logits(x_last: np.ndarray, w: GPT2Weights) -> np.ndarray:
-    # (C,) -> (V,): ln_f, then the tied head wte for this one row
+def _logits(x_last: np.ndarray, w: GPT2Weights, threads: int) -> np.ndarray:
+    # (C,) -> (V,): ln_f, then the tied head wte for this one row; BLAS already pinned by _forward
     h = np.empty((1, w.config.n_embd), np.float32)
     _layernorm(x_last[None, :], w.ln_f_g, w.ln_f_b, w.config.layer_norm_epsilon, h)
     logits = np.empty(w.config.vocab_size, np.float32)
-    with _one_blas_thread():
-        threads = numba.get_num_threads()
-        if w.dtype == "float32":
-            _head(w.wte, h[0], logits, threads)
-        elif w.dtype == "bfloat16":
-            _head_bf16(w.wte, h[0], logits, threads)
-        else:
-            _head_int8(w.wte, w.scales["wte"], h[0], logits, threads)
+    if w.dtype == "float32":
+        _head(w.wte, h[0], logits, threads)
+    elif w.dtype == "bfloat16":
+        _head_bf16(w.wte, h[0], logits, threads)
+    else:
+        _head_int8(w.wte, w.scales["wte"], h[0], logits, threads)
     return logits
 
 
@@ -307,7 +305,7 @@ def _one_blas_thread():
 def set_threads(n: int) -> None:
     """Use ``n`` threads (1 to the number Numba started with, by default the cores)."""
     top = numba.config.NUMBA_NUM_THREADS
-    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or not 1 <= n <= top:
+    if not checks.is_integer(n) or not 1 <= n <= top:
         raise ConfigError(f"threads must be an integer in [1, {top}], got {n!r}")
     numba.set_num_threads(int(n))
 
