@@ -106,7 +106,7 @@ def _download(name: str) -> Path:
 
 
 def _generate(args) -> int:
-    from .sample import generate
+    from .sample import generate, prompt_ids, text_stream
     from .tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
@@ -114,21 +114,20 @@ def _generate(args) -> int:
     tokenizer = load_tokenizer(path)
     if path is None:
         print(f"gpt2numba: {RANDOM_NOTE}", file=sys.stderr)
-    ids = tokenizer.encode(args.prompt) or [tokenizer.eot_id]
+    ids = prompt_ids(args.prompt, tokenizer)
     tokens = generate(ids, w, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                       seed=args.seed, stop_at_eos=not args.no_stop, slide=args.slide)
-    decode = tokenizer.stream_decoder()
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     t_start = time.perf_counter()
     stamps = []
-    for token in tokens:
-        stamps.append(time.perf_counter())
-        if token != tokenizer.eot_id:
-            sys.stdout.write(decode(token))
-            sys.stdout.flush()
-    sys.stdout.write(decode(None) + "\n")
+    for token, text in text_stream(tokens, tokenizer):
+        if token is not None:
+            stamps.append(time.perf_counter())
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
     prefill_s = (stamps[0] - t_start) if stamps else 0.0
     decode_ms = 1e3 * np.median(np.diff(stamps)) if len(stamps) > 1 else float("nan")
     print(f"gpt2numba: {len(ids)} prompt tokens, {len(stamps)} new tokens; first token after {prefill_s:.2f} s "

@@ -36,13 +36,13 @@ class Sampler:
 
     def __post_init__(self):
         t, k, p, r = self.temperature, self.top_k, self.top_p, self.repetition_penalty
-        if not _is_real(t) or not 0 <= t < math.inf:
+        if not checks.is_real(t) or not 0 <= t < math.inf:
             raise SamplingError(f"temperature must be a finite number >= 0, got {t!r}")
-        if k is not None and (not _is_int(k) or k < 1):
+        if k is not None and (not checks.is_integer(k) or k < 1):
             raise SamplingError(f"top_k must be an integer >= 1 or None, got {k!r}")
-        if p is not None and (not _is_real(p) or not 0 < p <= 1):
+        if p is not None and (not checks.is_real(p) or not 0 < p <= 1):
             raise SamplingError(f"top_p must be in (0, 1] or None, got {p!r}")
-        if not _is_real(r) or not 0 < r < math.inf:
+        if not checks.is_real(r) or not 0 < r < math.inf:
             raise SamplingError(f"repetition_penalty must be a finite number > 0, got {r!r}")
 
     def __call__(self, logits, previous, rng: np.random.Generator) -> int:
@@ -92,9 +92,9 @@ def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, temperature: fl
     _check_weights(w)
     cfg = w.config
     sampler = Sampler(temperature, top_k, top_p, repetition_penalty)
-    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+    if not checks.is_integer(max_new_tokens) or max_new_tokens < 0:
         raise SamplingError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if seed is not None and (not _is_int(seed) or seed < 0):
+    if seed is not None and (not checks.is_integer(seed) or seed < 0):
         raise SamplingError(f"seed must be an integer >= 0 or None, got {seed!r}")
     ids = [int(t) for t in checks.token_ids(prompt_ids, cfg.vocab_size)]
     if len(ids) > cfg.n_positions:
@@ -138,33 +138,27 @@ def generate_text(prompt: str, w: GPT2Weights, tokenizer: Tokenizer | None = Non
     tokenizer = tokenizer or load_tokenizer()
     if not isinstance(prompt, str):
         raise SamplingError(f"prompt must be a str, got {type(prompt).__name__}")
-    ids = tokenizer.encode(prompt)
-    if not ids:
-        ids = [tokenizer.eot_id]  # GPT-2's own start of an unconditioned text
-    tokens = generate(ids, w, **options)
+    tokens = generate(prompt_ids(prompt, tokenizer), w, **options)
+    return (text for _, text in text_stream(tokens, tokenizer) if text)
 
-    def pieces():
-        decode = tokenizer.stream_decoder()
-        for token in tokens:
-            if token == tokenizer.eot_id:
-                continue
-            text = decode(token)
-            if text:
-                yield text
-        rest = decode(None)  # bytes of a character the generation stopped inside
-        if rest:
-            yield rest
-    return pieces()
+
+def prompt_ids(prompt: str, tokenizer: Tokenizer) -> list[int]:
+    """The prompt's ids; an empty prompt is <|endoftext|>, GPT-2's start of an unconditioned text."""
+    return tokenizer.encode(prompt) or [tokenizer.eot_id]
+
+
+def text_stream(tokens, tokenizer: Tokenizer):
+    """(token, text) for each token as it arrives, then (None, text held back at the end).
+
+    text is "" while a character's bytes are incomplete, and for <|endoftext|>.
+    """
+    decode = tokenizer.stream_decoder()
+    for token in tokens:
+        yield token, "" if token == tokenizer.eot_id else decode(token)
+    yield None, decode(None)  # bytes of a character the generation stopped inside
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
     e = np.exp(z - z.max())
     return e / e.sum()
 
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
