@@ -8,6 +8,11 @@ from conftest import record_diff
 ATOL, RTOL = 1e-3, 1e-2
 
 
+def randn(rng, *shape, scale=1.0):
+    """A float32 array of ``shape``, normal with standard deviation ``scale``."""
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
 def assert_matches_oracle(logits, ids, w, label):
     """Cached logits against recompute_logits over the whole sequence ``ids``."""
     ref = g.recompute_logits(ids, w)

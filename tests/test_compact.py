@@ -10,13 +10,9 @@ import gpt2numba as g
 from checkpoints import write_dir
 from conftest import TINY
 from gpt2numba import compact, kernels
-from helpers import check_chunks, check_prefill
+from helpers import check_chunks, check_prefill, randn
 
 COMPACT = ["bfloat16", "int8"]
-
-
-def randn(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
 
 
 # --- the formats -----------------------------------------------------------------------------

@@ -139,27 +139,16 @@ def test_cache_arrays_cannot_be_replaced(filled):
             setattr(mc, name, None)
 
 
-def test_interrupted_head_leaves_the_cache(tiny, filled, monkeypatch):
-    """An exception in the output head, after every layer wrote its rows, still rolls back."""
+@pytest.mark.parametrize("kernel", ["_attend", "_head"])
+def test_interrupted_call_leaves_the_cache(tiny, filled, monkeypatch, kernel):
+    """An exception inside the layer loop (attention) or after it (the output head,
+    once every layer wrote its rows) rolls the lengths back."""
     mc, (length, lengths, _, _) = filled
     from gpt2numba import kvcache
 
     def broken(*args):
         raise KeyboardInterrupt
-    monkeypatch.setattr(kvcache, "_head", broken)
-    with pytest.raises(KeyboardInterrupt):
-        g.prefill([1, 2], tiny, mc)
-    assert mc.length == length and (mc.lengths == lengths).all()
-
-
-def test_interrupted_forward_leaves_lengths(tiny, filled, monkeypatch):
-    """An exception inside the layer loop (here, from the attention kernel) rolls lengths back."""
-    mc, (length, lengths, _, _) = filled
-    from gpt2numba import kvcache
-
-    def broken(*args):
-        raise KeyboardInterrupt
-    monkeypatch.setattr(kvcache, "_attend", broken)
+    monkeypatch.setattr(kvcache, kernel, broken)
     with pytest.raises(KeyboardInterrupt):
         g.prefill([1, 2], tiny, mc)
     assert mc.length == length and (mc.lengths == lengths).all()

@@ -7,12 +7,9 @@ from hypothesis import strategies as st
 from threadpoolctl import threadpool_limits
 
 from gpt2numba import kernels, oracle
+from helpers import randn
 
 dims = st.integers(1, 40)
-
-
-def randn(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 @given(n=dims, C=dims, seed=st.integers(0, 2**32 - 1))
