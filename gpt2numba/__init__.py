@@ -2,6 +2,7 @@
 
 from .config import GPT2Config
 from .errors import (
+    BatchError,
     CacheFullError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -10,27 +11,29 @@ from .errors import (
     TokenError,
     TokenTypeError,
 )
-from .kvcache import (
-    ModelCache,
+from .forward import (
+    decode_batch,
     decode_step,
     default_weights,
     embed_token,
     get_threads,
     prefill,
+    prefill_batch,
     run_prefill,
     set_threads,
 )
+from .kvcache import ModelCache
 from .oracle import recompute_logits
-from .sample import Sampler, SamplingError, generate, generate_text
+from .sample import Sampler, SamplingError, generate, generate_batch, generate_text, generate_text_batch
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import GPT2Weights, load_weights, random_weights, save_weights
 
 __all__ = [
     "GPT2Config", "GPT2Weights", "ModelCache",
     "load_weights", "random_weights", "save_weights", "default_weights",
-    "prefill", "decode_step", "embed_token", "run_prefill", "recompute_logits",
-    "generate", "generate_text", "Sampler", "load_tokenizer", "Tokenizer", "set_threads", "get_threads",
-    "GPT2NumbaError", "TokenError", "TokenTypeError", "CacheFullError",
+    "prefill", "decode_step", "prefill_batch", "decode_batch", "embed_token", "run_prefill", "recompute_logits",
+    "generate", "generate_text", "generate_batch", "generate_text_batch", "Sampler", "load_tokenizer", "Tokenizer", "set_threads", "get_threads",
+    "GPT2NumbaError", "BatchError", "TokenError", "TokenTypeError", "CacheFullError",
     "ConfigError", "CheckpointError", "CheckpointNotFoundError", "SamplingError",
 ]
 __version__ = "0.1.0"

@@ -1,10 +1,10 @@
-"""Validation of what users pass in: token ids and positions."""
+"""Validation of what users pass in: token ids, positions, weights."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from .errors import TokenError, TokenTypeError
+from .errors import ConfigError, TokenError, TokenTypeError
 
 
 def is_integer(value) -> bool:
@@ -60,3 +60,11 @@ def position(value, n_positions: int) -> int:
     if not 0 <= value < n_positions:
         raise TokenError(f"position {value} is outside [0, {n_positions}) (n_positions)")
     return int(value)
+
+
+def weights(w) -> None:
+    """ConfigError unless ``w`` is a GPT2Weights."""
+    from .weights import GPT2Weights  # weights.py imports this module
+
+    if not isinstance(w, GPT2Weights):
+        raise ConfigError(f"expected GPT2Weights, got {type(w).__name__}")

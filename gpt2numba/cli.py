@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -10,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import kvcache
+from . import forward
 from .errors import GPT2NumbaError
-from .kvcache import ModelCache, decode_step, prefill
+from .forward import decode_batch, decode_step, prefill, prefill_batch
+from .kvcache import ModelCache
 from .oracle import recompute_logits
 from .compact import DTYPES
 from .weights import load_weights
@@ -33,7 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     gen = commands.add_parser("generate", help="continue a prompt, streaming text as it is produced",
                               description="Continue PROMPT, printing text as it is produced; "
                               "a one-line summary goes to stderr.")
-    gen.add_argument("prompt", metavar="PROMPT")
+    gen.add_argument("prompt", metavar="PROMPT", nargs="?", help="the text to continue (or --prompts-file)")
+    gen.add_argument("--prompts-file", type=Path, metavar="FILE",
+                     help="many prompts, generated as a batch: one per line, or JSON lines with a \"prompt\" "
+                     "field ('-' reads stdin); writes one JSON line per prompt as it finishes")
+    gen.add_argument("--batch-size", type=_at_least(1), metavar="N",
+                     help="with --prompts-file: sequences in flight at once (default: all)")
     gen.add_argument("--model", help=model_help)
     gen.add_argument("--dtype", default="float32", choices=DTYPES, help=dtype_help)
     gen.add_argument("--threads", type=_at_least(1), help="threads to use (default: the cores)")
@@ -67,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if getattr(args, "threads", None):
-            kvcache.set_threads(args.threads)
+            forward.set_threads(args.threads)
         if args.command == "bench":
             from .bench import main as bench_main
 
@@ -84,7 +91,7 @@ def resolve_model(model: str | None, dtype: str = "float32"):
     """(weights, checkpoint path or None, description) for a --model value."""
     if model is None:
         env = os.environ.get("GPT2NUMBA_WEIGHTS")
-        return kvcache.default_weights().astype(dtype), env, env or "random GPT-2 small weights (seed 0)"
+        return forward.default_weights().astype(dtype), env, env or "random GPT-2 small weights (seed 0)"
     path = Path(model)
     if not path.exists() and model.count("/") == 1 and not model.startswith((".", "/")):
         path = _download(model)
@@ -109,15 +116,25 @@ def _generate(args) -> int:
     from .sample import generate, prompt_ids, text_stream
     from .tokenizer import load_tokenizer
 
+    if (args.prompt is None) == (args.prompts_file is None):
+        print("gpt2numba: error: give a PROMPT or --prompts-file, not both", file=sys.stderr)
+        return 2
+    if args.prompts_file is None and args.batch_size is not None:
+        print("gpt2numba: error: --batch-size goes with --prompts-file", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
+    prompts = None if args.prompts_file is None else _read_prompts(args.prompts_file)
     w, path, source = resolve_model(args.model, args.dtype)
     tokenizer = load_tokenizer(path)
     if path is None:
         print(f"gpt2numba: {RANDOM_NOTE}", file=sys.stderr)
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                   stop_at_eos=not args.no_stop)
+    if prompts is not None:
+        return _generate_batch(prompts, w, tokenizer, args.batch_size, options)
     ids = prompt_ids(args.prompt, tokenizer)
-    tokens = generate(ids, w, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                      seed=args.seed, stop_at_eos=not args.no_stop, slide=args.slide)
+    tokens = generate(ids, w, slide=args.slide, **options)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     t_start = time.perf_counter()
@@ -136,6 +153,50 @@ def _generate(args) -> int:
     return 0
 
 
+def _read_prompts(path: Path) -> list[str]:
+    """Prompts from a file: JSON lines with a "prompt" field, or else one prompt per line (blank lines skipped)."""
+    text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise GPT2NumbaError(f"{path}: no prompts in the file")
+    if not lines[0][1].lstrip().startswith("{"):
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise GPT2NumbaError(f"{path}, line {n}: not a JSON object ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise GPT2NumbaError(f'{path}, line {n}: expected an object with a string "prompt" field')
+        prompts.append(record["prompt"])
+    return prompts
+
+
+def _generate_batch(prompts, w, tokenizer, batch_size, options) -> int:
+    """One JSON line per prompt as it finishes; a progress bar and the aggregate tokens/s on stderr."""
+    from tqdm import tqdm
+
+    from .sample import generate_batch, prompt_ids
+
+    ids = [prompt_ids(p, tokenizer) for p in prompts]
+    tokens = {i: [] for i in range(len(prompts))}
+    max_new = options["max_new_tokens"]
+    t0 = time.perf_counter()
+    with tqdm(total=len(prompts), unit="prompt", file=sys.stderr, desc="generate") as bar:
+        for i, token in generate_batch(ids, w, batch_size=batch_size, **options):
+            tokens[i].append(token)
+            if len(tokens[i]) == max_new or (token == tokenizer.eot_id and options["stop_at_eos"]):
+                text = tokenizer.decode([t for t in tokens[i] if t != tokenizer.eot_id])
+                print(json.dumps({"index": i, "prompt": prompts[i], "text": text, "tokens": tokens[i]}), flush=True)
+                bar.update()
+    seconds = time.perf_counter() - t0
+    n = sum(map(len, tokens.values()))
+    print(f"gpt2numba: {len(prompts)} prompts, {n} new tokens in {seconds:.1f} s: {n / seconds:.0f} tokens/s "
+          f"(batch size {min(batch_size or len(prompts), len(prompts))}, prefills included)", file=sys.stderr)
+    return 0
+
+
 def _check(args) -> int:
     t0 = time.perf_counter()
     w, _, source = resolve_model(args.model, args.dtype)
@@ -148,23 +209,37 @@ def _check(args) -> int:
         print(f"gpt2numba: error: --prompt-len + --decode = {args.prompt_len + args.decode} "
               f"exceeds n_positions {cfg.n_positions}", file=sys.stderr)
         return 2
-    print("(the first prefill and decode include Numba's compilation, or loading it from its cache)")
+    print("(the first prefill and decode include Numba's compilation, or loading it from its cache;\n"
+          " the engine is timed first, the float64 oracle checks every logit afterwards)")
     rng = np.random.default_rng(args.seed)
-    mc = ModelCache(cfg, max_len=args.prompt_len + args.decode)
-    worst, failures = 0.0, 0
-    for n in range(args.prompts):
-        ids = [int(t) for t in rng.integers(0, cfg.vocab_size, args.prompt_len)]
-        mc.reset()
+    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, args.prompt_len)] for _ in range(args.prompts)]
+    max_len = args.prompt_len + args.decode
+    runs = []  # per prompt: (ids, logits after each step, prefill s, decode s per step)
+    for ids in prompts:
+        ids, mc = list(ids), ModelCache(cfg, max_len=max_len)
         t = time.perf_counter()
-        logits = prefill(ids, w, mc)
-        prefill_s = time.perf_counter() - t
-        diffs, decode_s = [_compare(logits, ids, w)], []
+        steps = [prefill(ids, w, mc)]
+        prefill_s, decode_s = time.perf_counter() - t, []
         for _ in range(args.decode):
-            ids.append(int(np.argmax(logits)))
+            ids.append(int(np.argmax(steps[-1])))
             t = time.perf_counter()
-            logits = decode_step(ids[-1], w, mc)
+            steps.append(decode_step(ids[-1], w, mc))
             decode_s.append(time.perf_counter() - t)
-            diffs.append(_compare(logits, ids, w))
+        runs.append((ids, steps, prefill_s, decode_s))
+    # the same prompts again as one batch: one prefill_batch, then decode_batch steps
+    caches = [ModelCache(cfg, max_len=max_len) for _ in prompts]
+    t = time.perf_counter()
+    batch_steps = [prefill_batch(prompts, w, caches)]
+    batch_prefill_s, batch_decode_s = time.perf_counter() - t, []
+    for n in range(args.decode):
+        tokens = [ids[args.prompt_len + n] for ids, *_ in runs]  # the tokens decoded alone
+        t = time.perf_counter()
+        batch_steps.append(decode_batch(tokens, w, caches))
+        batch_decode_s.append(time.perf_counter() - t)
+
+    worst, failures = 0.0, 0
+    for n, (ids, steps, prefill_s, decode_s) in enumerate(runs):
+        diffs = [_compare(logits, ids[: args.prompt_len + i], w) for i, logits in enumerate(steps)]
         ok = all(d[1] for d in diffs)
         failures += not ok
         worst = max(worst, *(d[0] for d in diffs))
@@ -172,7 +247,16 @@ def _check(args) -> int:
         print(f"prompt {n + 1}: {args.prompt_len} tokens + {args.decode} decoded, "
               f"max |cached - oracle| {max(d[0] for d in diffs):.2e} {'ok' if ok else 'MISMATCH'}; "
               f"prefill {args.prompt_len / prefill_s:.0f} tokens/s, decode {decode_ms}")
-    print(f"{'all' if not failures else failures} of {args.prompts} prompts "
+    # batched rows against the rows each prompt got alone (the oracle already vouched for those)
+    alone = [np.stack([steps[i] for _, steps, *_ in runs]) for i in range(len(batch_steps))]  # (B, V) per step
+    gap = max(float(np.abs(batch - ref).max()) for batch, ref in zip(batch_steps, alone))
+    ok = gap <= 1e-4 and all((batch.argmax(1) == ref.argmax(1)).all() for batch, ref in zip(batch_steps, alone))
+    failures += not ok
+    B = len(prompts)
+    decode_rate = f"{B / np.median(batch_decode_s):.0f} tokens/s" if batch_decode_s else "-"
+    print(f"batch of {B}: the same prompts in one pass, max |batched - alone| {gap:.2e} {'ok' if ok else 'MISMATCH'}; "
+          f"prefill {B * args.prompt_len / batch_prefill_s:.0f} tokens/s, decode {decode_rate}")
+    print(f"{'all' if not failures else failures} of {args.prompts} prompts and the batch "
           f"{'match' if not failures else 'do NOT match'} the oracle "
           f"(allclose atol={ATOL}, rtol={RTOL}, same argmax); worst |diff| {worst:.2e}")
     return 1 if failures else 0

@@ -27,3 +27,7 @@ class CheckpointError(GPT2NumbaError, ValueError):
 
 class CheckpointNotFoundError(GPT2NumbaError, FileNotFoundError):
     """A checkpoint path does not exist."""
+
+
+class BatchError(GPT2NumbaError, ValueError):
+    """A batch is malformed: empty, sequences and caches that differ in number, a cache given twice."""

@@ -1,10 +1,16 @@
 """Numba kernels: everything of GPT-2's forward pass but the Python loop over layers.
 
-Private and unchecked: callers in kvcache.py validate shapes, dtypes and ranges.
-Arrays are float32 and C-contiguous; T = tokens in the pass, C = n_embd,
-H = n_head, D = head_dim. Numba's threads do all the parallel work; the matrix
-products inside run on one BLAS thread each (kvcache.py pins BLAS to one thread
-while it computes), so the two thread pools never compete for the cores.
+Private and unchecked: callers in forward.py validate shapes, dtypes and ranges.
+Arrays are float32 and C-contiguous; N = rows in the pass (the new tokens of
+every sequence, stacked), C = n_embd, H = n_head, D = head_dim, P = n_positions.
+Numba's threads do all the parallel work; the matrix products inside run on one
+BLAS thread each (forward.py pins BLAS to one thread while it computes), so the
+two thread pools never compete for the cores.
+
+A batch is ragged: sequence b's rows are row0[b]..row0[b+1]-1 of the stacked
+rows, and its first row sits at position pos0[b] (the length its cache held).
+Its keys and values live in its own cache, ks[b] and vs[b] (typed lists of
+(n_layer, H, max_len, D) arrays, one per sequence).
 Masking is by loop bounds (a query at position pos reads positions 0..pos): no
 -inf enters the arithmetic, so fastmath stays safe.
 """
@@ -151,72 +157,121 @@ def _linear(x, w, b, scratch, out, accumulate, n_blocks, split_k):
                         out[i, j] = out[i, j] + s if accumulate else s
 
 
+# Vocabulary rows per step of the head over several rows: a (HEAD_CHUNK, C) slice
+# of wte (and its float32 widening, for compact weights) stays in cache while
+# every row's scores are taken from it.
+HEAD_CHUNK = 512
+
+
 @njit(cache=True, parallel=True)
 def _head(wte, h, out, n_blocks):
-    """Tied output head for one row: out = wte @ h.
+    """Tied output head: out = h @ wte.T.
 
-    wte: (V, C); h: (C,); out: (V,). Each of n_blocks threads streams a block of
-    vocabulary rows.
+    wte: (V, C); h: (R, C); out: (R, V). Each of n_blocks threads streams a block
+    of vocabulary rows: one matrix-vector product for one row, else a product
+    per HEAD_CHUNK of them.
     """
     V = wte.shape[0]
+    R = h.shape[0]
     step = (V + n_blocks - 1) // n_blocks
     for blk in prange(n_blocks):
-        lo = min(V, blk * step)
-        hi = min(V, lo + step)
-        if lo < hi:
-            np.dot(wte[lo:hi], h, out[lo:hi])
+        lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+        if R == 1:
+            if lo < hi:
+                np.dot(wte[lo:hi], h[0], out[0, lo:hi])
+            continue
+        scores = np.empty(R * HEAD_CHUNK, np.float32)
+        for c0 in range(lo, hi, HEAD_CHUNK):
+            _chunk_scores(h, wte[c0:], c0, min(hi, c0 + HEAD_CHUNK), scores, out)
 
 
 @njit(cache=True)
-def _write_kv(qkv, k, v, lengths, layer, start):
-    """Copy the keys and values of T new positions into one layer of the cache.
+def _write_kv(qkv, ks, vs, row0, pos0, layer, written):
+    """Copy the keys and values of every new row into one layer of its sequence's cache.
 
-    qkv: (T, 3C) rows [q | k | v]; k, v: (n_layer, H, max_len, D);
-    lengths: (n_layer,) int64, set to start + T for this layer only.
+    qkv: (N, 3C) rows [q | k | v]; ks, vs: B caches' (n_layer, H, max_len, D);
+    row0: (B + 1,); pos0: (B,); written: (B, n_layer) int64, where
+    written[b, layer] becomes the positions this layer now holds for sequence b.
     """
-    T = qkv.shape[0]
-    H, D = k.shape[1], k.shape[3]
+    H, D = ks[0].shape[1], ks[0].shape[3]
     C = H * D
-    for i in range(T):
-        for h in range(H):
-            for d in range(D):
-                k[layer, h, start + i, d] = qkv[i, C + h * D + d]
-                v[layer, h, start + i, d] = qkv[i, 2 * C + h * D + d]
-    lengths[layer] = start + T
+    for b in range(pos0.size):
+        k, v = ks[b], vs[b]
+        for i in range(row0[b], row0[b + 1]):
+            pos = pos0[b] + i - row0[b]
+            for h in range(H):
+                for d in range(D):
+                    k[layer, h, pos, d] = qkv[i, C + h * D + d]
+                    v[layer, h, pos, d] = qkv[i, 2 * C + h * D + d]
+        written[b, layer] = pos0[b] + row0[b + 1] - row0[b]
 
 
 # Queries per attention tile: a tile's scores are one BLAS product against the keys it may see.
 ATTEND_TILE = 64
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
-def _attend(qkv, k, v, layer, start, out, scratch):
-    """Causal attention of T queries at positions start..start+T-1 over the cache.
+@njit(cache=True)
+def _attention_plan(row0, pos0, n_head, n_blocks):
+    """Attention's work as tiles, cut into n_blocks runs of about equal cost.
 
-    qkv: (T, 3C), queries in columns [0, C); k, v: (n_layer, H, max_len, D), rows
-    0..start+T-1 of ``layer`` already written; out: (T, C), heads side by side;
-    scratch: (H, ATTEND_TILE * (D + max_len)). Parallel over heads. For a tile of
-    queries i0..i1-1, BLAS computes the scores against keys 0..start+i1-1; the
-    softmax of query pos then reads keys 0..pos only and zeroes the rest, so the
-    mask is exact and by loop bounds.
+    A tile is (sequence b, head h, first query i0): up to ATTEND_TILE queries of
+    one head over the keys they may see; its cost is queries x keys. Returns
+    tiles: (n_tiles, 3) int64 and bounds: (n_blocks + 1,), so that thread j takes
+    tiles bounds[j]..bounds[j+1]-1. Cutting by cost, not by sequence, keeps every
+    thread busy when a long sequence sits beside short ones.
     """
-    T = qkv.shape[0]
-    H, D = k.shape[1], k.shape[3]
+    B = pos0.size
+    n_tiles = 0
+    for b in range(B):
+        n_tiles += n_head * ((row0[b + 1] - row0[b] + ATTEND_TILE - 1) // ATTEND_TILE)
+    tiles = np.empty((n_tiles, 3), np.int64)
+    cost = np.empty(n_tiles + 1, np.float64)  # cost[j]: the tiles before j
+    cost[0] = 0.0
+    j = 0
+    for b in range(B):
+        T = row0[b + 1] - row0[b]
+        for h in range(n_head):
+            for i0 in range(0, T, ATTEND_TILE):
+                m = min(T, i0 + ATTEND_TILE) - i0
+                tiles[j, 0], tiles[j, 1], tiles[j, 2] = b, h, i0
+                cost[j + 1] = cost[j] + m * (pos0[b] + i0 + m + ATTEND_TILE)  # + a tile's fixed cost
+                j += 1
+    bounds = np.searchsorted(cost[1:], cost[n_tiles] * np.arange(n_blocks + 1) / n_blocks)
+    bounds[0], bounds[n_blocks] = 0, n_tiles
+    return tiles, bounds
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch):
+    """Causal attention of every new row over its own sequence's cache.
+
+    qkv: (N, 3C), queries in columns [0, C); ks, vs: B caches' (n_layer, H,
+    max_len, D), rows 0..pos0[b] + T_b - 1 of ``layer`` already written; row0:
+    (B + 1,); pos0: (B,); tiles, bounds: from _attention_plan; out: (N, C), heads
+    side by side; scratch: (n_blocks, ATTEND_TILE * (D + P)). For a tile of
+    queries i0..i1-1 of sequence b, BLAS computes the scores against its keys
+    0..pos0[b]+i1-1; the softmax of the query at pos reads keys 0..pos only and
+    zeroes the rest, so the mask is exact and by loop bounds.
+    """
+    H, D = ks[0].shape[1], ks[0].shape[3]
+    P = scratch.shape[1] // ATTEND_TILE - D
     scale = np.float32(1.0 / math.sqrt(D))
-    for h in prange(H):
-        bits = np.empty(start + T, np.int32)
-        for i0 in range(0, T, ATTEND_TILE):
-            i1 = min(T, i0 + ATTEND_TILE)
-            m, n = i1 - i0, start + i1  # m queries; keys 0..n-1 visible to the tile's last
-            q = scratch[h, : m * D].reshape(m, D)  # (m, D), then the tile's output
-            s = scratch[h, m * D : m * D + m * n].reshape(m, n)  # (m, n) scores, then weights
+    for blk in prange(bounds.size - 1):
+        bits = np.empty(P, np.int32)
+        for j in range(bounds[blk], bounds[blk + 1]):
+            b, h, i0 = tiles[j, 0], tiles[j, 1], tiles[j, 2]
+            first, start = row0[b] + i0, pos0[b] + i0  # the tile's first row, and its position
+            m = min(row0[b + 1] - first, ATTEND_TILE)
+            n = start + m  # keys 0..n-1 are visible to the tile's last query
+            q = scratch[blk, : m * D].reshape(m, D)  # (m, D), then the tile's output
+            s = scratch[blk, m * D : m * D + m * n].reshape(m, n)  # (m, n) scores, then weights
             for i in range(m):
                 for d in range(D):
-                    q[i, d] = qkv[i0 + i, h * D + d] * scale
-            np.dot(q, k[layer, h, :n].T, s)
+                    q[i, d] = qkv[first + i, h * D + d] * scale
+            np.dot(q, ks[b][layer, h, :n].T, s)
             for i in range(m):
-                pos = start + i0 + i
-                row = s[i, : pos + 1]  # the keys query pos may see
+                pos = start + i
+                row = s[i, : pos + 1]  # the keys the query at pos may see
                 peak = row.max()
                 for t in range(pos + 1):
                     row[t] -= peak
@@ -225,10 +280,10 @@ def _attend(qkv, k, v, layer, start, out, scratch):
                 for t in range(pos + 1):
                     row[t] *= inv
                 s[i, pos + 1:] = 0.0
-            np.dot(s, v[layer, h, :n], q)
+            np.dot(s, vs[b][layer, h, :n], q)
             for i in range(m):
                 for d in range(D):
-                    out[i0 + i, h * D + d] = q[i, d]
+                    out[first + i, h * D + d] = q[i, d]
 
 
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
@@ -312,33 +367,71 @@ def _reduce(partial, b, out, accumulate):
 
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
 def _head_bf16(wte, h, out, n_blocks):
-    """out = wte @ h, wte bfloat16 (V, C) as uint16; h: (C,); out: (V,)."""
+    """out = h @ wte.T, wte bfloat16 (V, C) as uint16; h: (R, C); out: (R, V).
+
+    One row: a dot product per vocabulary row, widened in registers. Several:
+    HEAD_CHUNK vocabulary rows at a time widened to float32, then BLAS.
+    """
     V, C = wte.shape
+    R = h.shape[0]
     step = (V + n_blocks - 1) // n_blocks
     for blk in prange(n_blocks):
-        for v in range(min(V, blk * step), min(V, (blk + 1) * step)):
-            row = wte[v]
-            s = np.float32(0.0)
-            for c in range(C):
-                s += _as_float32(np.uint32(row[c]) << 16) * h[c]
-            out[v] = s
+        lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+        if R == 1:
+            for v in range(lo, hi):
+                row = wte[v]
+                s = np.float32(0.0)
+                for c in range(C):
+                    s += _as_float32(np.uint32(row[c]) << 16) * h[0, c]
+                out[0, v] = s
+            continue
+        dense = np.empty((HEAD_CHUNK, C), np.float32)
+        scores = np.empty(R * HEAD_CHUNK, np.float32)
+        for c0 in range(lo, hi, HEAD_CHUNK):
+            c1 = min(hi, c0 + HEAD_CHUNK)
+            for v in range(c0, c1):
+                for c in range(C):
+                    dense[v - c0, c] = _as_float32(np.uint32(wte[v, c]) << 16)
+            _chunk_scores(h, dense, c0, c1, scores, out)
 
 
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
 def _head_int8(q, scale, h, out, n_blocks):
-    """out = (q * scale) @ h, q int8 (V, C) in groups of GROUP columns; scale: (V, C // GROUP)."""
+    """out = h @ (q * scale).T, q int8 (V, C) in groups of GROUP columns; scale: (V, C // GROUP);
+    h: (R, C); out: (R, V). One row in registers, several through BLAS, as _head_bf16."""
     V, C = q.shape
+    R = h.shape[0]
     step = (V + n_blocks - 1) // n_blocks
     for blk in prange(n_blocks):
-        lanes = np.empty(_GROUP, np.float32)  # per-lane sums across groups: one reduction per row
-        for v in range(min(V, blk * step), min(V, (blk + 1) * step)):
-            row = q[v]
-            lanes[:] = 0.0
-            for g in range(C // _GROUP):
-                sg = scale[v, g]
-                for c in range(_GROUP):
-                    lanes[c] += sg * np.float32(row[g * _GROUP + c]) * h[g * _GROUP + c]
-            out[v] = lanes.sum()
+        lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+        if R == 1:
+            lanes = np.empty(_GROUP, np.float32)  # per-lane sums across groups: one reduction per row
+            for v in range(lo, hi):
+                row = q[v]
+                lanes[:] = 0.0
+                for g in range(C // _GROUP):
+                    sg = scale[v, g]
+                    for c in range(_GROUP):
+                        lanes[c] += sg * np.float32(row[g * _GROUP + c]) * h[0, g * _GROUP + c]
+                out[0, v] = lanes.sum()
+            continue
+        dense = np.empty((HEAD_CHUNK, C), np.float32)
+        scores = np.empty(R * HEAD_CHUNK, np.float32)
+        for c0 in range(lo, hi, HEAD_CHUNK):
+            c1 = min(hi, c0 + HEAD_CHUNK)
+            for v in range(c0, c1):
+                for c in range(C):
+                    dense[v - c0, c] = np.float32(q[v, c]) * scale[v, c // _GROUP]
+            _chunk_scores(h, dense, c0, c1, scores, out)
+
+
+@njit(cache=True)
+def _chunk_scores(h, dense, c0, c1, scores, out):
+    """out[:, c0:c1] = h @ dense[:c1 - c0].T: one chunk of the head over several rows.
+    h: (R, C); dense: (HEAD_CHUNK, C) widened wte rows; scores: flat scratch of R * HEAD_CHUNK."""
+    chunk = scores[: h.shape[0] * (c1 - c0)].reshape(h.shape[0], c1 - c0)
+    np.dot(h, dense[: c1 - c0].T, chunk)
+    out[:, c0:c1] = chunk
 
 
 @njit(cache=True, parallel=True)

@@ -1,7 +1,7 @@
 """The reference: GPT-2's forward pass in float64 NumPy, no cache, no Numba.
 
 Written to be read beside the paper, not to be fast; the cached, compiled path in
-kvcache.py must agree with it. Shapes: T = sequence length, C = n_embd.
+forward.py must agree with it. Shapes: T = sequence length, C = n_embd.
 """
 
 import numpy as np
@@ -61,9 +61,7 @@ def recompute_logits(ids, w: GPT2Weights) -> np.ndarray:
     weights are run on the float32 values they stand for.
     Returns a float64 array of shape (vocab_size,).
     """
-    from .kvcache import _check_weights  # the same checks as the engine's, none of its arithmetic
-
-    _check_weights(w)
+    checks.weights(w)  # the same checks as the engine's, none of its arithmetic
     ids = checks.token_ids(ids, w.config.vocab_size)
     if len(ids) > w.config.n_positions:
         raise TokenError(f"{len(ids)} tokens is more than n_positions={w.config.n_positions}")

@@ -1,7 +1,8 @@
-"""Generation: sampling settings, one prefill, then decode steps over one cache."""
+"""Generation: sampling settings; one prefill, then decode steps, for one sequence or many at once."""
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -9,8 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import checks
-from .errors import CacheFullError, ConfigError, GPT2NumbaError
-from .kvcache import ModelCache, _check_weights, decode_step, prefill
+from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
+from .forward import decode_step, prefill, prefill_batch
+from .kvcache import ModelCache
 from .tokenizer import EOT_ID, Tokenizer, load_tokenizer
 from .weights import GPT2Weights
 
@@ -63,10 +65,14 @@ class Sampler:
                                   len(candidates) - 1)])
 
     def candidates(self, z: np.ndarray) -> np.ndarray:
-        """Ids allowed by top_k and top_p, most likely first, for tempered logits z."""
-        order = np.argsort(-z, kind="stable")
-        if self.top_k is not None:
-            order = order[: self.top_k]
+        """Ids allowed by top_k and top_p for tempered logits z: most likely first, or all in id order."""
+        if self.top_k is None and self.top_p is None:
+            return np.arange(z.size)  # no cut, no sort: a full sort costs more than the rest of sampling
+        if self.top_k is not None and self.top_k < z.size:
+            best = np.argpartition(-z, self.top_k - 1)[: self.top_k]
+            order = best[np.lexsort((best, -z[best]))]  # most likely first, ties by id
+        else:
+            order = np.argsort(-z, kind="stable")
         if self.top_p is not None:
             probs = _softmax(z[order])  # renormalised over the top_k set, as is usual
             # smallest prefix whose mass reaches top_p: the first index where the sum >= p
@@ -89,13 +95,9 @@ def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, temperature: fl
     Raises SamplingError for settings out of range, TokenError/TokenTypeError
     for bad prompt ids.
     """
-    _check_weights(w)
+    checks.weights(w)
     cfg = w.config
-    sampler = Sampler(temperature, top_k, top_p, repetition_penalty)
-    if not checks.is_integer(max_new_tokens) or max_new_tokens < 0:
-        raise SamplingError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if seed is not None and (not checks.is_integer(seed) or seed < 0):
-        raise SamplingError(f"seed must be an integer >= 0 or None, got {seed!r}")
+    sampler = _settings(temperature, top_k, top_p, repetition_penalty, max_new_tokens, seed)
     ids = [int(t) for t in checks.token_ids(prompt_ids, cfg.vocab_size)]
     if len(ids) > cfg.n_positions:
         raise CacheFullError(f"the prompt has {len(ids)} tokens; the model's context is {cfg.n_positions}")
@@ -129,6 +131,94 @@ def _generate(ids, w, mc, sampler, max_new_tokens, rng, stop_at_eos):
             logits = decode_step(token, w, mc)
 
 
+def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, temperature: float = 1.0,
+                   top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
+                   seed: int | None = None, stop_at_eos: bool = True,
+                   batch_size: int | None = None) -> Iterator[tuple[int, int]]:
+    """Generate for many prompts at once; yield (prompt_index, token_id) as tokens are produced.
+
+    At most ``batch_size`` sequences (default: all) are in flight, each in its own
+    cache slot; every step is one forward pass over all of them. Each sequence
+    stops on its own, at <|endoftext|> (when stop_at_eos) or after
+    max_new_tokens, and the next waiting prompt is prefilled into its slot in the
+    same pass as the others' next tokens (continuous batching). With ``seed``,
+    prompt i samples from its own stream, derived from (seed, i), so its tokens
+    do not depend on the other prompts or on batch_size; greedy tokens equal
+    generate's for each prompt alone. Everything is checked before any work:
+    SamplingError for settings, TokenError / TokenTypeError naming the prompt,
+    CacheFullError when a prompt plus max_new_tokens passes n_positions,
+    BatchError for no prompts.
+    """
+    checks.weights(w)
+    cfg = w.config
+    sampler = _settings(temperature, top_k, top_p, repetition_penalty, max_new_tokens, seed)
+    if batch_size is not None and (not checks.is_integer(batch_size) or batch_size < 1):
+        raise SamplingError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise BatchError(f"prompts must be a sequence of id sequences, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise BatchError("no prompts: give at least one")
+    checked = []
+    for i, prompt in enumerate(prompts):
+        try:
+            ids = [int(t) for t in checks.token_ids(prompt, cfg.vocab_size)]
+        except GPT2NumbaError as e:
+            raise type(e)(f"prompt {i}: {e}") from None
+        if len(ids) + max_new_tokens > cfg.n_positions:
+            raise CacheFullError(
+                f"prompt {i}: {len(ids)} tokens + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
+                f"passes the model's context of {cfg.n_positions} positions")
+        checked.append(ids)
+    slots = min(batch_size or len(checked), len(checked))
+    rngs = [np.random.default_rng(None if seed is None else [seed, i]) for i in range(len(checked))]
+    return _generate_batch(checked, w, sampler, max_new_tokens, rngs, stop_at_eos, slots)
+
+
+def _generate_batch(prompts, w, sampler, max_new_tokens, rngs, stop_at_eos, slots):
+    if max_new_tokens == 0:
+        return
+    max_len = max(len(ids) for ids in prompts) + max_new_tokens
+    caches = [ModelCache(w.config, max_len) for _ in range(slots)]
+    logits = np.empty((slots, w.config.vocab_size), np.float32)  # reused by every step
+    waiting = collections.deque(range(len(prompts)))
+    seqs: dict[int, list[int]] = {}  # slot -> index of its prompt, then its ids so far
+    feed: dict[int, list[int]] = {}  # slot -> ids to feed in the next pass
+    while waiting or feed:
+        for slot in range(slots):
+            if slot not in seqs and waiting:  # a free slot takes the next prompt
+                i = waiting.popleft()
+                caches[slot].reset()
+                seqs[slot] = [i, *prompts[i]]
+                feed[slot] = prompts[i]
+        order = list(feed)
+        rows = prefill_batch([feed[s] for s in order], w, [caches[s] for s in order], out=logits[: len(order)])
+        feed = {}
+        for slot, row in zip(order, rows):
+            i, *ids = seq = seqs[slot]
+            token = sampler(row, ids, rngs[i])
+            seq.append(token)
+            yield i, token
+            if (stop_at_eos and token == EOT_ID) or len(ids) + 1 - len(prompts[i]) == max_new_tokens:
+                del seqs[slot]  # free for the next prompt
+            else:
+                feed[slot] = [token]
+
+
+def generate_text_batch(texts, w: GPT2Weights, tokenizer: Tokenizer | None = None, **options) -> list[str]:
+    """generate_batch from texts to texts: the generated continuations, in input order.
+
+    An empty text starts from <|endoftext|>; <|endoftext|> ends a text and is not shown.
+    """
+    tokenizer = tokenizer or load_tokenizer()
+    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        raise SamplingError("texts must be a sequence of str")
+    tokens: list[list[int]] = [[] for _ in texts]
+    for i, token in generate_batch([prompt_ids(t, tokenizer) for t in texts], w, **options):
+        if token != tokenizer.eot_id:
+            tokens[i].append(token)
+    return [tokenizer.decode(t) for t in tokens]
+
+
 def generate_text(prompt: str, w: GPT2Weights, tokenizer: Tokenizer | None = None, **options) -> Iterator[str]:
     """Like generate, from text to text: yields decoded pieces as tokens arrive.
 
@@ -156,6 +246,16 @@ def text_stream(tokens, tokenizer: Tokenizer):
     for token in tokens:
         yield token, "" if token == tokenizer.eot_id else decode(token)
     yield None, decode(None)  # bytes of a character the generation stopped inside
+
+
+def _settings(temperature, top_k, top_p, repetition_penalty, max_new_tokens, seed) -> Sampler:
+    """The sampler, once max_new_tokens and seed are checked too."""
+    sampler = Sampler(temperature, top_k, top_p, repetition_penalty)
+    if not checks.is_integer(max_new_tokens) or max_new_tokens < 0:
+        raise SamplingError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if seed is not None and (not checks.is_integer(seed) or seed < 0):
+        raise SamplingError(f"seed must be an integer >= 0 or None, got {seed!r}")
+    return sampler
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:

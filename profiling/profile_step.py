@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 import gpt2numba as g
-from gpt2numba import kvcache
+from gpt2numba import forward
 
 
 MATRIX_KINDS = {"c_attn_w": "qkv (c_attn)", "attn_c_proj_w": "attn c_proj",
@@ -22,13 +22,13 @@ MATRIX_KINDS = {"c_attn_w": "qkv (c_attn)", "attn_c_proj_w": "attn c_proj",
 
 
 def instrument(totals, cfg):
-    """Replace kvcache's kernels with timed wrappers; return a function that undoes it."""
+    """Replace forward's kernels with timed wrappers; return a function that undoes it."""
     head = lambda *a, **k: "head (wte)"  # noqa: E731
     kinds = {"_layernorm": lambda *a, **k: "layernorm", "_write_kv": lambda *a, **k: "cache write",
              "_attend": lambda *a, **k: "attention", "_gelu": lambda *a, **k: "gelu",
              "_head": head, "_head_bf16": head, "_head_int8": head,
              "_matmul": lambda x, field, *a, **k: MATRIX_KINDS[field]}
-    saved = {name: getattr(kvcache, name) for name in kinds}
+    saved = {name: getattr(forward, name) for name in kinds}
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -39,8 +39,8 @@ def instrument(totals, cfg):
         return wrapper
 
     for name, fn in saved.items():
-        setattr(kvcache, name, timed(name, fn))
-    return lambda: [setattr(kvcache, name, fn) for name, fn in saved.items()]
+        setattr(forward, name, timed(name, fn))
+    return lambda: [setattr(forward, name, fn) for name, fn in saved.items()]
 
 
 def profile(label, step, repeat, cfg):

@@ -51,3 +51,59 @@ def check_chunks(ids, cuts, w, label):
             logits = g.prefill(ids[lo:hi], w, mc)
         assert mc.length == hi and (mc.lengths == hi).all()
         assert_matches_oracle(logits, ids[:hi], w, label)
+
+
+LENGTHS = (1, 3, 40, 7, 55, 2, 20)  # prompts of very different lengths, more of them than a batch
+SENTINEL = 7.0  # fills every cache first: a row written past a sequence's length shows
+
+
+def check_batch_rounds(plans, w, label, random, max_len=None):
+    """Feed ragged sequences through rounds of prefill_batch / decode_batch; check everything after each.
+
+    plans: (ids, prefix, cuts) per sequence: ids[:prefix] is prefilled alone first (a cache that
+    starts non-empty), then the pieces between the cuts are fed, one per round, to a random subset
+    of the sequences that have pieces left. A round of one-token pieces goes through decode_batch
+    half the time. Caches have a little room to spare, or ``max_len`` each. After every round: each fed row equals the oracle of its own sequence so far,
+    every cache holds exactly its own length in every layer, and nothing past it.
+    """
+    cfg = w.config
+    caches = [g.ModelCache(cfg, max_len=max_len or len(ids) + random.randint(0, 3)) for ids, _, _ in plans]
+    for mc in caches:
+        mc.k[...] = SENTINEL
+        mc.v[...] = SENTINEL
+    pieces = []
+    for (ids, prefix, cuts), mc in zip(plans, caches):
+        if prefix:
+            g.prefill(ids[:prefix], w, mc)
+        bounds = [prefix, *cuts, len(ids)]
+        pieces.append(list(zip(bounds, bounds[1:])))
+    while any(pieces):
+        open_ = [b for b, p in enumerate(pieces) if p]
+        chosen = sorted(random.sample(open_, random.randint(1, len(open_))))
+        fed = [pieces[b].pop(0) for b in chosen]
+        if all(hi - lo == 1 for lo, hi in fed) and random.random() < 0.5:
+            rows = g.decode_batch([int(plans[b][0][lo]) for b, (lo, _) in zip(chosen, fed)], w,
+                                  [caches[b] for b in chosen])
+        else:
+            rows = g.prefill_batch([plans[b][0][lo:hi] for b, (lo, hi) in zip(chosen, fed)], w,
+                                   [caches[b] for b in chosen])
+        assert rows.shape == (len(chosen), cfg.vocab_size)
+        for row, b, (_, hi) in zip(rows, chosen, fed):
+            assert_matches_oracle(row, plans[b][0][:hi], w, label)
+        for (ids, _, _), mc, left in zip(plans, caches, pieces):
+            length = left[0][0] if left else len(ids)
+            assert mc.length == length and (mc.lengths == length).all(), f"{mc.lengths} != {length}"
+            assert (mc.k[:, :, length:] == SENTINEL).all() and (mc.v[:, :, length:] == SENTINEL).all(), \
+                "a row past a sequence's length was written"
+            assert not (mc.keys() == SENTINEL).all(axis=-1).any(), "a row below a sequence's length is missing"
+
+
+def check_generate_batch(prompts, w, batch_size, max_new_tokens=8):
+    """Greedy generate_batch gives each prompt the tokens greedy generate gives it alone."""
+    got = {}
+    for i, token in g.generate_batch(prompts, w, max_new_tokens=max_new_tokens, temperature=0,
+                                     stop_at_eos=False, batch_size=batch_size):
+        got.setdefault(i, []).append(token)
+    for i, ids in enumerate(prompts):
+        alone = list(g.generate(ids, w, max_new_tokens=max_new_tokens, temperature=0, stop_at_eos=False))
+        assert got[i] == alone, f"prompt {i}: {got[i]} != {alone} alone"

@@ -144,11 +144,11 @@ def test_interrupted_call_leaves_the_cache(tiny, filled, monkeypatch, kernel):
     """An exception inside the layer loop (attention) or after it (the output head,
     once every layer wrote its rows) rolls the lengths back."""
     mc, (length, lengths, _, _) = filled
-    from gpt2numba import kvcache
+    from gpt2numba import forward
 
     def broken(*args):
         raise KeyboardInterrupt
-    monkeypatch.setattr(kvcache, kernel, broken)
+    monkeypatch.setattr(forward, kernel, broken)
     with pytest.raises(KeyboardInterrupt):
         g.prefill([1, 2], tiny, mc)
     assert mc.length == length and (mc.lengths == lengths).all()

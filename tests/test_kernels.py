@@ -4,6 +4,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from numba import typed
 from threadpoolctl import threadpool_limits
 
 from gpt2numba import kernels, oracle
@@ -31,57 +32,86 @@ def test_gelu(n, F, seed):
     np.testing.assert_allclose(x, ref, atol=1e-6, rtol=1e-5)
 
 
-def _cache_case(rng, n_layer, H, D, max_len, start, T):
-    k = randn(rng, n_layer, H, max_len, D)
-    v = randn(rng, n_layer, H, max_len, D)
-    qkv = randn(rng, T, 3 * H * D)
-    return qkv, k, v
+# A ragged batch: B sequences of one model (n_layer, H, D), each with its own cache
+# (max_len), the positions it already holds (start) and its new rows (T).
+models = st.tuples(st.integers(1, 3), st.integers(1, 4), st.sampled_from([1, 8, 64]))
+sequence = st.sampled_from([1, 2, 24, 70, 150]).flatmap(
+    lambda max_len: st.integers(0, max_len - 1).flatmap(
+        lambda start: st.tuples(st.just(max_len), st.just(start), st.integers(1, max_len - start))))
+batches = st.tuples(models, st.lists(sequence, min_size=1, max_size=4))
 
 
-cache_shapes = st.tuples(
-    st.integers(1, 3), st.integers(1, 4), st.sampled_from([1, 8, 64]), st.sampled_from([1, 2, 24, 70, 150])
-).flatmap(lambda s: st.tuples(st.just(s), st.integers(0, s[3] - 1)).flatmap(
-    lambda p: st.tuples(st.just(p[0]), st.just(p[1]), st.integers(1, p[0][3] - p[1]))))
+def _batch_case(rng, model, seqs):
+    """qkv (N, 3C) stacked rows, ks and vs (one random cache per sequence), row0, pos0."""
+    n_layer, H, D = model
+    ks = typed.List([randn(rng, n_layer, H, max_len, D) for max_len, _, _ in seqs])
+    vs = typed.List([randn(rng, n_layer, H, max_len, D) for max_len, _, _ in seqs])
+    row0 = np.cumsum([0] + [T for _, _, T in seqs]).astype(np.int64)
+    pos0 = np.array([start for _, start, _ in seqs], np.int64)
+    return randn(rng, row0[-1], 3 * H * D), ks, vs, row0, pos0
 
 
-@given(shape=cache_shapes, seed=st.integers(0, 2**32 - 1), data=st.data())
-def test_write_kv(shape, seed, data):
-    (n_layer, H, D, max_len), start, T = shape
+@given(batch=batches, seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_write_kv(batch, seed, data):
+    """Each sequence's rows land in its own cache at its own positions, one layer, nothing else."""
+    model, seqs = batch
+    (n_layer, H, D), C = model, model[1] * model[2]
     layer = data.draw(st.integers(0, n_layer - 1))
-    qkv, k, v = _cache_case(np.random.default_rng(seed), n_layer, H, D, max_len, start, T)
-    k_ref, v_ref = k.copy(), v.copy()
-    C = H * D
-    # (T, C) -> (H, T, D)
-    k_ref[layer, :, start:start + T] = qkv[:, C:2 * C].reshape(T, H, D).transpose(1, 0, 2)
-    v_ref[layer, :, start:start + T] = qkv[:, 2 * C:].reshape(T, H, D).transpose(1, 0, 2)
-    lengths = np.full(n_layer, -1, np.int64)
-    kernels._write_kv(qkv, k, v, lengths, layer, start)
-    np.testing.assert_array_equal(k, k_ref)
-    np.testing.assert_array_equal(v, v_ref)
-    assert lengths[layer] == start + T and (np.delete(lengths, layer) == -1).all()
+    qkv, ks, vs, row0, pos0 = _batch_case(np.random.default_rng(seed), model, seqs)
+    k_ref, v_ref = [k.copy() for k in ks], [v.copy() for v in vs]
+    for b, (_, start, T) in enumerate(seqs):
+        rows = qkv[row0[b]:row0[b + 1]]
+        # (T, C) -> (H, T, D)
+        k_ref[b][layer, :, start:start + T] = rows[:, C:2 * C].reshape(T, H, D).transpose(1, 0, 2)
+        v_ref[b][layer, :, start:start + T] = rows[:, 2 * C:].reshape(T, H, D).transpose(1, 0, 2)
+    written = np.full((len(seqs), n_layer), -1, np.int64)
+    kernels._write_kv(qkv, ks, vs, row0, pos0, layer, written)
+    for b in range(len(seqs)):
+        np.testing.assert_array_equal(ks[b], k_ref[b])
+        np.testing.assert_array_equal(vs[b], v_ref[b])
+    assert (written[:, layer] == pos0 + np.diff(row0)).all() and (np.delete(written, layer, axis=1) == -1).all()
 
 
-@given(shape=cache_shapes, seed=st.integers(0, 2**32 - 1), data=st.data())
-def test_attend(shape, seed, data):
-    """T queries at positions start..start+T-1 over cache rows 0..start+T-1."""
-    (n_layer, H, D, max_len), start, T = shape
+@given(batch=batches, n_blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_attend(batch, n_blocks, seed, data):
+    """Sequence b's T queries at positions start..start+T-1 over its own cache rows 0..start+T-1."""
+    model, seqs = batch
+    n_layer, H, D = model
     layer = data.draw(st.integers(0, n_layer - 1))
-    qkv, k, v = _cache_case(np.random.default_rng(seed), n_layer, H, D, max_len, start, T)
-    out = np.empty((T, H * D), np.float32)
-    scratch = np.empty((H, kernels.ATTEND_TILE * (D + max_len)), np.float32)
+    qkv, ks, vs, row0, pos0 = _batch_case(np.random.default_rng(seed), model, seqs)
+    out = np.empty((row0[-1], H * D), np.float32)
+    scratch = np.empty((n_blocks, kernels.ATTEND_TILE * (D + max(m for m, _, _ in seqs))), np.float32)
+    tiles, bounds = kernels._attention_plan(row0, pos0, H, n_blocks)
     with threadpool_limits(1, user_api="blas"):
-        kernels._attend(qkv, k, v, layer, start, out, scratch)
+        kernels._attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch)
 
-    ref = np.empty((T, H * D))
-    for h in range(H):
-        q = qkv[:, h * D:(h + 1) * D].astype(np.float64)           # (T, D)
-        kk = k[layer, h, :start + T].astype(np.float64)               # (start+T, D)
-        vv = v[layer, h, :start + T].astype(np.float64)
-        scores = q @ kk.T / np.sqrt(D)                                # (T, start+T)
-        visible = np.arange(start + T)[None, :] <= (start + np.arange(T))[:, None]
-        scores = np.where(visible, scores, -np.inf)
-        ref[:, h * D:(h + 1) * D] = oracle.softmax(scores) @ vv
-    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-4)
+    for b, (_, start, T) in enumerate(seqs):
+        rows = slice(row0[b], row0[b + 1])
+        for h in range(H):
+            q = qkv[rows, h * D:(h + 1) * D].astype(np.float64)         # (T, D)
+            kk = ks[b][layer, h, :start + T].astype(np.float64)          # (start+T, D)
+            vv = vs[b][layer, h, :start + T].astype(np.float64)
+            scores = q @ kk.T / np.sqrt(D)                               # (T, start+T)
+            visible = np.arange(start + T)[None, :] <= (start + np.arange(T))[:, None]
+            ref = oracle.softmax(np.where(visible, scores, -np.inf)) @ vv
+            np.testing.assert_allclose(out[rows, h * D:(h + 1) * D], ref, atol=1e-5, rtol=1e-4)
+
+
+@given(counts=st.lists(st.integers(1, 300), min_size=1, max_size=8), n_head=st.integers(1, 12),
+       n_blocks=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
+def test_attention_plan(counts, n_head, n_blocks, seed):
+    """Every (sequence, head, tile of queries) once, in n_blocks runs of which none is far above the mean."""
+    row0 = np.cumsum([0, *counts]).astype(np.int64)
+    pos0 = np.random.default_rng(seed).integers(0, 700, len(counts))
+    tiles, bounds = kernels._attention_plan(row0, pos0, n_head, n_blocks)
+    expected = {(b, h, i0) for b, T in enumerate(counts) for h in range(n_head)
+                for i0 in range(0, T, kernels.ATTEND_TILE)}
+    assert sorted(map(tuple, tiles.tolist())) == sorted(expected)
+    assert bounds[0] == 0 and bounds[-1] == len(tiles) and (np.diff(bounds) >= 0).all()
+    m = [min(counts[b] - i0, kernels.ATTEND_TILE) for b, _, i0 in tiles]  # queries per tile
+    cost = [q * (pos0[b] + i0 + q + kernels.ATTEND_TILE) for q, (b, _, i0) in zip(m, tiles)]  # the plan's model
+    runs = [sum(cost[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+    assert max(runs) <= sum(cost) / n_blocks + max(cost)
 
 
 @given(T=st.integers(1, 12), K=dims, N=dims, n_blocks=st.integers(1, 3), split_k=st.booleans(),
@@ -97,13 +127,15 @@ def test_linear(T, K, N, n_blocks, split_k, accumulate, seed):
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
-@given(V=st.integers(1, 300), C=dims, n_blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
-def test_head(V, C, n_blocks, seed):
+@given(V=st.integers(1, 1300), C=dims, R=st.integers(1, 5), n_blocks=st.integers(1, 3),
+       seed=st.integers(0, 2**32 - 1))
+def test_head(V, C, R, n_blocks, seed):
+    """out = h @ wte.T for one row and for several (in chunks of HEAD_CHUNK vocabulary rows)."""
     rng = np.random.default_rng(seed)
-    wte, h, out = randn(rng, V, C), randn(rng, C), np.empty(V, np.float32)
+    wte, h, out = randn(rng, V, C), randn(rng, R, C), np.empty((R, V), np.float32)
     with threadpool_limits(1, user_api="blas"):
         kernels._head(wte, h, out, n_blocks)
-    np.testing.assert_allclose(out, wte.astype(np.float64) @ h, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(out, h.astype(np.float64) @ wte.T, atol=1e-4, rtol=1e-4)
 
 
 @given(z=st.lists(st.floats(-200, 100, width=32), min_size=1, max_size=70).map(lambda v: np.array(v, np.float32)))

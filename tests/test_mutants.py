@@ -5,6 +5,7 @@ and runs the same checks test_prefill.py uses.
 """
 
 import dataclasses
+import random
 
 import numpy as np
 import pytest
@@ -12,9 +13,11 @@ import pytest
 import gpt2numba as g
 import helpers
 from conftest import TINY
-from gpt2numba import kernels, kvcache
+from gpt2numba import forward, kernels
+from numba import typed
 
 CAUGHT = (AssertionError, g.GPT2NumbaError)
+PROMPTS = [np.random.default_rng(7).integers(0, TINY.vocab_size, n).tolist() for n in helpers.LENGTHS]
 
 
 @pytest.fixture(autouse=True)
@@ -27,58 +30,106 @@ def ids():
     return np.random.default_rng(5).integers(0, TINY.vocab_size, 20)
 
 
-def test_sound_engine_passes(tiny, ids):
+@pytest.fixture
+def plans():
+    """Three ragged sequences, one starting from a cache that holds a prefix (see helpers.check_batch_rounds)."""
+    rng = np.random.default_rng(6)
+    return [(rng.integers(0, TINY.vocab_size, 12), 0, [5, 6]),
+            (rng.integers(0, TINY.vocab_size, 20), 4, [9, 10]),
+            (rng.integers(0, TINY.vocab_size, 3), 0, [])]
+
+
+def check_batch(plans, w):
+    helpers.check_batch_rounds(plans, w, "mutant", random.Random(0), max_len=TINY.n_positions)
+
+
+def test_sound_engine_passes(tiny, ids, plans):
     helpers.check_prefill(ids, tiny, "control")
     helpers.check_chunks(ids, [8, 9, 15], tiny, "control")
+    check_batch(plans, tiny)
+    helpers.check_generate_batch(PROMPTS, tiny, batch_size=3)
 
 
 def test_catches_wpe_off_by_one(tiny, ids, monkeypatch):
-    monkeypatch.setattr(kvcache, "_embed", lambda ids, start, w: w.wte[ids] + w.wpe[start + 1:start + 1 + len(ids)])
+    real = forward._embed
+    monkeypatch.setattr(forward, "_embed", lambda ids, positions, w: real(ids, positions + 1, w))
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")
 
 
 def test_catches_positions_restarting_per_chunk(tiny, ids, monkeypatch):
-    real = kvcache._embed
-    monkeypatch.setattr(kvcache, "_embed", lambda ids, start, w: real(ids, 0, w))
+    real = forward._embed
+    monkeypatch.setattr(forward, "_embed", lambda ids, positions, w: real(ids, positions - positions[0], w))
     helpers.check_prefill(ids, tiny, "mutant")  # a fresh cache starts at 0 anyway
     with pytest.raises(CAUGHT):
         helpers.check_chunks(ids, [8, 9, 15], tiny, "mutant")
 
 
 def test_catches_mask_leaking_the_next_position(tiny, ids, monkeypatch):
-    def leaky(qkv, k, v, layer, start, out, scratch):
-        # query j sits at start + j but is handed positions up to start + j + 1
+    def leaky(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch):
+        # one sequence: query j sits at pos0 + j but is handed positions up to pos0 + j + 1
         T = qkv.shape[0]
-        kernels._attend(qkv[:-1], k, v, layer, start + 1, out[:-1], scratch)
-        kernels._attend(qkv[-1:], k, v, layer, start + T - 1, out[-1:], scratch)  # no row past the last
-    monkeypatch.setattr(kvcache, "_attend", leaky)
+        for rows, start in ((slice(0, T - 1), pos0 + 1), (slice(T - 1, T), pos0 + T - 1)):  # no row past the last
+            sub_row0 = np.array([0, len(range(T)[rows])])
+            plan = kernels._attention_plan(sub_row0, start, TINY.n_head, 2)
+            kernels._attend(qkv[rows], ks, vs, layer, sub_row0, start, *plan, out[rows], scratch)
+    monkeypatch.setattr(forward, "_attend", leaky)
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")
 
 
 def test_catches_transposed_conv1d_weight(tiny, ids, monkeypatch):
-    real = kvcache._forward
+    real = forward._forward
     flipped = dataclasses.replace(tiny, attn_c_proj_w=tiny.attn_c_proj_w.transpose(0, 2, 1).copy())
-    monkeypatch.setattr(kvcache, "_forward", lambda ids, w, mc: real(ids, flipped, mc))
+    monkeypatch.setattr(forward, "_forward", lambda seqs, w, caches, out=None: real(seqs, flipped, caches, out))
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")
 
 
 def test_catches_a_layer_skipping_its_cache_write(tiny, ids, monkeypatch):
-    real = kvcache._write_kv
-    monkeypatch.setattr(kvcache, "_write_kv", lambda qkv, k, v, lengths, layer, start:
-                        None if layer == 1 else real(qkv, k, v, lengths, layer, start))
+    real = forward._write_kv
+    monkeypatch.setattr(forward, "_write_kv", lambda qkv, ks, vs, row0, pos0, layer, written:
+                        None if layer == 1 else real(qkv, ks, vs, row0, pos0, layer, written))
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")
 
 
 def test_catches_a_write_past_the_prompt(tiny, ids, monkeypatch):
-    real = kvcache._write_kv
+    real = forward._write_kv
 
-    def one_row_too_many(qkv, k, v, lengths, layer, start):
-        real(np.vstack([qkv, qkv[-1:]]), k, v, lengths, layer, start)
-        lengths[layer] -= 1
-    monkeypatch.setattr(kvcache, "_write_kv", one_row_too_many)
+    def one_row_too_many(qkv, ks, vs, row0, pos0, layer, written):  # one sequence
+        real(np.vstack([qkv, qkv[-1:]]), ks, vs, row0 + [0, 1], pos0, layer, written)
+        written[:, layer] -= 1
+    monkeypatch.setattr(forward, "_write_kv", one_row_too_many)
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")
+
+
+# --- the batch path ---------------------------------------------------------------------------------
+
+def test_catches_attention_reading_another_sequences_cache(tiny, plans, monkeypatch):
+    real = forward._attend
+
+    def neighbours(qkv, ks, vs, *rest):  # sequence b reads the keys and values of sequence b + 1
+        def shift(caches):
+            return typed.List([caches[(b + 1) % len(caches)] for b in range(len(caches))])
+        real(qkv, shift(ks), shift(vs), *rest)
+    monkeypatch.setattr(forward, "_attend", neighbours)
+    helpers.check_prefill(np.arange(9), tiny, "mutant")  # one sequence reads its own cache anyway
+    with pytest.raises(CAUGHT):
+        check_batch(plans, tiny)
+
+
+def test_catches_positions_taken_from_the_batch_index(tiny, plans, monkeypatch):
+    real = forward._embed
+    monkeypatch.setattr(forward, "_embed", lambda ids, positions, w: real(ids, np.arange(len(ids)), w))
+    helpers.check_prefill(np.arange(9), tiny, "mutant")  # the same positions for one fresh sequence
+    with pytest.raises(CAUGHT):
+        check_batch(plans, tiny)
+
+
+def test_catches_a_refill_that_keeps_the_slots_cache(tiny, monkeypatch):
+    monkeypatch.setattr(g.ModelCache, "reset", lambda self: None)
+    helpers.check_generate_batch(PROMPTS, tiny, batch_size=None)  # no slot is refilled: still right
+    with pytest.raises(CAUGHT):
+        helpers.check_generate_batch(PROMPTS, tiny, batch_size=3)

@@ -1,0 +1,362 @@
+"""The forward pass over the rows of one or many sequences, and its validating wrappers.
+
+A batch is ragged, as llama.cpp's llama_batch and FlashAttention's varlen API:
+the new tokens of B sequences are stacked into N rows, row0 (B + 1,) marks where
+each sequence's rows begin and pos0 (B,) the position of its first row (the
+length its cache held). The matrix products see only the N stacked rows, so the
+weights are read once for the whole batch; the cache write and attention take
+row0 and pos0 and stay within each sequence, over its own cache. prefill and
+decode_step are the one-sequence case of the same pass.
+
+Every wrapper validates everything before any work, and a cache's length moves
+only once its logits exist: a call that raises leaves every cache as it was.
+Shapes: N = rows, B = sequences, C = n_embd, V = vocab_size.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import weakref
+
+import numba
+import numpy as np
+from numba import typed
+
+from . import checks, compact
+from .config import GPT2Config
+from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
+from .kernels import (
+    ATTEND_TILE,
+    _attend,
+    _attention_plan,
+    _expand_bf16,
+    _expand_int8,
+    _gelu,
+    _gemv_bf16,
+    _gemv_int8,
+    _head,
+    _head_bf16,
+    _head_int8,
+    _layernorm,
+    _linear,
+    _write_kv,
+)
+from .kvcache import ModelCache
+from .weights import GPT2Weights, load_weights, random_weights
+
+
+def prefill(prompt_ids, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
+    """Run the prompt through the model in one batched pass, filling the cache.
+
+    prompt_ids: non-empty 1-D integer ids in [0, vocab). Token i sits at position
+    mc.length + i, so a cache that already holds tokens is continued.
+    Returns float32 (vocab,): the next-token logits after the last prompt token.
+    Raises TokenTypeError / TokenError for bad ids, CacheFullError when the
+    prompt needs more than the cache's room, ConfigError when the cache was built
+    for another config; the cache is then unchanged.
+    """
+    checks.weights(w)
+    return _forward([_prompt(prompt_ids, w, mc, "")], w, [mc])[0]
+
+
+def decode_step(token_id: int, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
+    """Feed one token at position mc.length; return float32 (vocab,) next-token logits.
+
+    Raises TokenTypeError / TokenError for a bad id, CacheFullError when the
+    cache is full, ConfigError for a cache of another config; the cache is
+    then unchanged.
+    """
+    checks.weights(w)
+    return _forward([_token(token_id, w, mc, "")], w, [mc])[0]
+
+
+def prefill_batch(prompts, w: GPT2Weights, caches, *, out: np.ndarray | None = None) -> np.ndarray:
+    """Prefill B prompts into their B caches in one forward pass.
+
+    prompts: B non-empty id sequences of any lengths; caches: B distinct
+    ModelCaches of w's config, each continued from its own length. Row b of the
+    float32 (B, vocab) result is what prefill(prompts[b], w, caches[b]) returns.
+    ``out``, a float32 (B, vocab) array, receives the logits instead of a new one.
+    Raises what prefill raises, naming the prompt's index, and BatchError for an
+    empty batch, counts that differ or a cache given twice; then no cache changes.
+    """
+    checks.weights(w)
+    prompts, caches = _pairs(prompts, caches, "prompts")
+    rows = [_prompt(ids, w, mc, f"prompt {b}: ") for b, (ids, mc) in enumerate(zip(prompts, caches))]
+    return _forward(rows, w, caches, out)
+
+
+def decode_batch(token_ids, w: GPT2Weights, caches, *, out: np.ndarray | None = None) -> np.ndarray:
+    """One new token per cache, each at that cache's own length, in one forward pass.
+
+    token_ids: B integer ids; caches: B distinct ModelCaches of w's config.
+    Row b of the float32 (B, vocab) result is what decode_step(token_ids[b], w,
+    caches[b]) returns. ``out`` as in prefill_batch. Raises what decode_step
+    raises, naming the index, and BatchError as prefill_batch; then no cache changes.
+    """
+    checks.weights(w)
+    if isinstance(token_ids, np.ndarray) and token_ids.ndim != 1:
+        raise BatchError(f"token_ids must be 1-D, one id per cache; got an array of shape {token_ids.shape}")
+    token_ids, caches = _pairs(token_ids, caches, "token_ids")
+    rows = [_token(t, w, mc, f"token {b}: ") for b, (t, mc) in enumerate(zip(token_ids, caches))]
+    return _forward(rows, w, caches, out)
+
+
+def embed_token(token_id: int, position: int, w: GPT2Weights) -> np.ndarray:
+    """wte[token_id] + wpe[position], float32 (n_embd,)."""
+    checks.weights(w)
+    cfg = w.config
+    token_id = checks.token_id(token_id, cfg.vocab_size)
+    position = checks.position(position, cfg.n_positions)
+    return _embed(np.array([token_id]), np.array([position]), w)[0]
+
+
+def run_prefill(prompt_ids) -> np.ndarray:
+    """Prefill ``prompt_ids`` into a fresh cache on the default weights; return the logits."""
+    w = default_weights()
+    return prefill(prompt_ids, w, ModelCache(w.config))
+
+
+def default_weights() -> GPT2Weights:
+    """The checkpoint named by $GPT2NUMBA_WEIGHTS, else seeded random GPT-2 small."""
+    return _default_weights(os.environ.get("GPT2NUMBA_WEIGHTS") or None)
+
+
+@functools.lru_cache(maxsize=1)
+def _default_weights(path: str | None) -> GPT2Weights:
+    return load_weights(path) if path else random_weights(GPT2Config.small(), seed=0)
+
+
+def set_threads(n: int) -> None:
+    """Use ``n`` threads (1 to the number Numba started with, by default the cores)."""
+    top = numba.config.NUMBA_NUM_THREADS
+    if not checks.is_integer(n) or not 1 <= n <= top:
+        raise ConfigError(f"threads must be an integer in [1, {top}], got {n!r}")
+    numba.set_num_threads(int(n))
+
+
+def get_threads() -> int:
+    return numba.get_num_threads()
+
+
+# --- validation: everything is checked before any cache is touched -----------------------------------
+
+def _pairs(items, caches, what: str) -> tuple[list, list[ModelCache]]:
+    """items and caches as two lists of the same non-zero length, no cache twice."""
+    if isinstance(caches, ModelCache):
+        raise BatchError(f"caches must be a sequence of ModelCache, one per sequence; got one ModelCache "
+                         f"(for a single sequence use {'prefill' if what == 'prompts' else 'decode_step'})")
+    for name, value in ((what, items), ("caches", caches)):
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+            raise BatchError(f"{name} must be a sequence, got {type(value).__name__}")
+    items, caches = list(items), list(caches)
+    if not caches:
+        raise BatchError("the batch is empty: give at least one sequence and its cache")
+    if len(items) != len(caches):
+        raise BatchError(f"{len(items)} {what} but {len(caches)} caches: give one cache per sequence")
+    first = {}
+    for b, mc in enumerate(caches):
+        if id(mc) in first:
+            raise BatchError(f"caches {first[id(mc)]} and {b} are the same ModelCache: each sequence needs its own")
+        first[id(mc)] = b
+    return items, caches
+
+
+def _check_cache(w: GPT2Weights, mc, label: str) -> None:
+    if not isinstance(mc, ModelCache):
+        raise ConfigError(f"{label}expected a ModelCache, got {type(mc).__name__}")
+    if mc.config != w.config:
+        raise ConfigError(f"{label}the cache was built for {mc.config}, the weights are {w.config}")
+
+
+def _prompt(prompt_ids, w: GPT2Weights, mc, label: str) -> np.ndarray:
+    """One checked prompt, int64 (T,), that fits its cache; ``label`` starts every message."""
+    _check_cache(w, mc, label)
+    try:
+        ids = checks.token_ids(prompt_ids, w.config.vocab_size)
+    except GPT2NumbaError as e:
+        raise type(e)(f"{label}{e}") from None
+    if len(ids) > mc.room:
+        raise CacheFullError(
+            f"{label}a prompt of {len(ids)} tokens does not fit: the cache holds {mc.length} of "
+            f"max_len={mc.max_len} positions, room for {mc.room}"
+        )
+    return ids
+
+
+def _token(token_id, w: GPT2Weights, mc, label: str) -> np.ndarray:
+    """One checked token as int64 (1,), with room in its cache."""
+    _check_cache(w, mc, label)
+    try:
+        token_id = checks.token_id(token_id, w.config.vocab_size)
+    except GPT2NumbaError as e:
+        raise type(e)(f"{label}{e}") from None
+    if mc.room == 0:
+        raise CacheFullError(f"{label}the cache is full: all max_len={mc.max_len} positions hold tokens")
+    return np.array([token_id], np.int64)
+
+
+# --- the forward pass -----------------------------------------------------------------------------------
+
+def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache],
+             out: np.ndarray | None = None) -> np.ndarray:
+    """All blocks over the checked new ids of B sequences; each one's last logits, (B, V).
+
+    seqs[b]: int64 (T_b,) ids at positions caches[b].length..; the caches are
+    distinct and have room. Their lengths move only once everything has succeeded.
+    """
+    cfg, B = w.config, len(seqs)
+    if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.float32
+                            or out.shape != (B, cfg.vocab_size) or not out.flags.c_contiguous):
+        raise ConfigError(f"out must be a C-contiguous float32 array of shape {(B, cfg.vocab_size)}")
+    counts = np.array([len(s) for s in seqs], np.int64)
+    row0 = np.zeros(B + 1, np.int64)  # sequence b's rows: row0[b]..row0[b+1]-1
+    np.cumsum(counts, out=row0[1:])
+    pos0 = np.array([mc.length for mc in caches], np.int64)  # (B,) position of each first row
+    N = int(row0[-1])
+    threads = numba.get_num_threads()
+    work = _workspace(w, N, threads)
+    x, h, qkv, a, f = work.x[:N], work.h[:N], work.qkv[:N], work.a[:N], work.f[:N]
+    x[...] = _embed(np.concatenate(seqs), np.repeat(pos0 - row0[:-1], counts) + np.arange(N), w)
+    ks, vs = typed.List([mc.k for mc in caches]), typed.List([mc.v for mc in caches])
+    written = np.repeat(pos0[:, None], cfg.n_layer, axis=1)  # (B, n_layer) positions each layer holds
+    tiles, bounds = _attention_plan(row0, pos0, cfg.n_head, threads)
+    eps = cfg.layer_norm_epsilon
+    linear = functools.partial(_matmul, w=w, work=work, threads=threads)
+    with _one_blas_thread():
+        for layer in range(cfg.n_layer):
+            _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
+            linear(h, "c_attn_w", layer, w.c_attn_b[layer], out=qkv, accumulate=False)
+            _write_kv(qkv, ks, vs, row0, pos0, layer, written)
+            _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, a, work.attend)
+            linear(a, "attn_c_proj_w", layer, w.attn_c_proj_b[layer], out=x, accumulate=True)
+
+            _layernorm(x, w.ln_2_g[layer], w.ln_2_b[layer], eps, h)
+            linear(h, "c_fc_w", layer, w.c_fc_b[layer], out=f, accumulate=False)
+            _gelu(f)
+            linear(f, "mlp_c_proj_w", layer, w.mlp_c_proj_b[layer], out=x, accumulate=True)
+        wrong = np.flatnonzero((written != (pos0 + counts)[:, None]).any(axis=0))
+        if wrong.size:
+            raise GPT2NumbaError(f"internal error: layers {wrong.tolist()} did not write their cache rows")
+        logits = _logits(x[row0[1:] - 1], w, threads, out)
+    for mc, layers in zip(caches, written):
+        mc._commit(layers)
+    return logits
+
+
+def _embed(ids: np.ndarray, positions: np.ndarray, w: GPT2Weights) -> np.ndarray:
+    # (N,) ids at (N,) positions -> (N, C): wte[id] + wpe[position]
+    rows = compact.expand("wte", w.wte[ids], w.scales["wte"][ids] if w.scales else None)
+    return rows + w.wpe[positions]
+
+
+def _matmul(x, field, layer, b, out, accumulate, w, work, threads):
+    """out (+)= x @ (layer's matrix ``field``) + b, whatever the matrix's storage."""
+    T = x.shape[0]
+    matrix = getattr(w, field)[layer]
+    scratch = work.scratch(T, threads)
+    if w.dtype == "float32":
+        _linear(x, matrix, b, scratch, out, accumulate, threads, _split_k(T))
+    elif T == 1 and w.dtype == "bfloat16":  # one row reads the compact matrix itself
+        _gemv_bf16(x, matrix, b, scratch, out, accumulate, threads)
+    elif T == 1:
+        _gemv_int8(x, matrix, w.scales[field][layer], b, scratch, out, accumulate, threads)
+    else:  # many rows: widen the matrix once, then multiply as float32
+        dense = work.dense(matrix.shape)
+        if w.dtype == "bfloat16":
+            _expand_bf16(matrix, dense)
+        else:
+            _expand_int8(matrix, w.scales[field][layer], dense)
+        _linear(x, dense, b, scratch, out, accumulate, threads, _split_k(T))
+
+
+def _logits(x_rows: np.ndarray, w: GPT2Weights, threads: int, out: np.ndarray | None) -> np.ndarray:
+    # (R, C) -> (R, V): ln_f, then the tied head wte; BLAS already pinned by _forward
+    cfg = w.config
+    h = np.empty((len(x_rows), cfg.n_embd), np.float32)
+    _layernorm(x_rows, w.ln_f_g, w.ln_f_b, cfg.layer_norm_epsilon, h)
+    logits = np.empty((len(x_rows), cfg.vocab_size), np.float32) if out is None else out
+    if w.dtype == "float32":
+        _head(w.wte, h, logits, threads)
+    elif w.dtype == "bfloat16":
+        _head_bf16(w.wte, h, logits, threads)
+    else:
+        _head_int8(w.wte, w.scales["wte"], h, logits, threads)
+    return logits
+
+
+def _split_k(T: int) -> bool:
+    """Whether a product over T rows splits the weights' rows, rather than the tokens, across threads.
+
+    Measured on 2 cores with GPT-2 small's matrices: splitting the weights wins from
+    1 token to 256 (each thread reads only its part of them), except at 2 tokens,
+    where one matrix-vector product per thread wins; from 256 on, splitting the
+    tokens is as fast or faster and needs no partial sums.
+    """
+    return T != 2 and T <= 256
+
+
+# --- work buffers: sized by the rows of a pass, kept for the next one ------------------------------
+
+class _Workspace:
+    """Activation buffers for up to ``rows`` rows of one model's pass.
+
+    Kept between calls and only ever grown: fresh memory is slow to touch, so a
+    decode loop over a batch of fixed size allocates nothing per step.
+    """
+
+    def __init__(self, cfg: GPT2Config, rows: int, threads: int):
+        C = cfg.n_embd
+        self.rows, self.threads, self.width = rows, threads, 4 * C
+        self.x = np.empty((rows, C), np.float32)        # residual stream
+        self.h = np.empty((rows, C), np.float32)        # layernorm out
+        self.qkv = np.empty((rows, 3 * C), np.float32)  # [q | k | v]
+        self.a = np.empty((rows, C), np.float32)        # attention out, heads side by side
+        self.f = np.empty((rows, 4 * C), np.float32)    # MLP hidden
+        # per thread: a tile of queries and its scores over every visible key
+        self.attend = np.empty((threads, ATTEND_TILE * (cfg.head_dim + cfg.n_positions)), np.float32)
+        self._scratch = np.empty(0, np.float32)
+        self._dense = np.empty(0, np.float32)
+
+    def scratch(self, T: int, threads: int) -> np.ndarray:
+        """Where matrix products land first: T rows, or T partial rows per thread (flat)."""
+        need = max((threads if _split_k(T) else 1) * T, 2 * threads) * self.width
+        if self._scratch.size < need:  # grows with the rows, or when the thread count grows
+            self._scratch = np.empty(need, np.float32)
+        return self._scratch
+
+    def dense(self, shape: tuple) -> np.ndarray:
+        """A float32 buffer of ``shape`` for one widened compact matrix (many rows only)."""
+        size = shape[0] * shape[1]
+        if self._dense.size < size:
+            self._dense = np.empty(self.width * self.width // 4, np.float32)  # C x 4C, the largest
+        return self._dense[:size].reshape(shape)
+
+
+_local = threading.local()  # workspaces per thread: two threads may run passes at once
+
+
+def _workspace(w: GPT2Weights, rows: int, threads: int) -> _Workspace:
+    """This thread's workspace for the weights ``w``, with room for ``rows`` rows."""
+    spaces = getattr(_local, "spaces", None)
+    if spaces is None:
+        spaces = _local.spaces = weakref.WeakKeyDictionary()  # freed with the weights
+    work = spaces.get(w)
+    if work is None or work.rows < rows or work.threads < threads:
+        spaces[w] = work = _Workspace(w.config, max(rows, work.rows if work else 0), threads)
+    return work
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_controller():
+    import scipy.linalg.cython_blas  # noqa: F401  (the BLAS Numba calls; load it before looking)
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
+
+
+def _one_blas_thread():
+    """Pin every BLAS library to one thread for the duration: our Numba threads are the parallelism."""
+    return _blas_controller().limit(limits=1, user_api="blas")
