@@ -18,8 +18,8 @@ def test_check_on_a_checkpoint(tmp_path):
     write_dir(g.random_weights(TINY, seed=3), tmp_path)
     r = run("check", "--model", str(tmp_path), "--prompts", "2", "--prompt-len", "20", "--decode", "3")
     assert r.returncode == 0, r.stderr
-    assert "2 layers" in r.stdout and "all of 2 prompts match the oracle" in r.stdout
-    assert r.stdout.count(" ok;") == 2
+    assert "2 layers" in r.stdout and "all of 2 prompts and the batch match the oracle" in r.stdout
+    assert r.stdout.count(" ok;") == 3 and "batch of 2: the same prompts in one pass" in r.stdout
 
 
 def test_check_compact_dtypes(tmp_path):
@@ -28,7 +28,7 @@ def test_check_compact_dtypes(tmp_path):
         r = run("check", "--model", str(tmp_path), "--dtype", dtype, "--prompts", "1", "--prompt-len", "9",
                 "--decode", "2")
         assert r.returncode == 0, r.stderr
-        assert dtype in r.stdout and "all of 1 prompts match the oracle" in r.stdout
+        assert dtype in r.stdout and "all of 1 prompts and the batch match the oracle" in r.stdout
 
 
 def test_check_default_weights_from_environment(tmp_path):
@@ -73,3 +73,36 @@ def test_generate_bad_settings_are_one_line():
 def test_unknown_hub_model_is_one_line():
     r = run("generate", "Hi", "--model", "nobody/no-such-model", env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 1 and "Traceback" not in r.stderr and "no-such-model" in r.stderr
+
+
+def test_generate_a_prompts_file(tmp_path):
+    """One JSON line per prompt, as it finishes; the same tokens whatever the batch size."""
+    import json
+
+    (tmp_path / "p.txt").write_text("Hello world\n\nThe meaning of life is\n{\n")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "Hello world"}\n{"prompt": "", "id": 7}\n')
+    runs = [run("generate", "--prompts-file", str(tmp_path / "p.txt"), "--max-new-tokens", "4", "--seed", "1",
+                "--batch-size", str(n)) for n in (1, 3)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+        assert "3 prompts, 12 new tokens" in r.stderr and "tokens/s" in r.stderr
+    records = [sorted((json.loads(line) for line in r.stdout.splitlines()), key=lambda x: x["index"]) for r in runs]
+    assert records[0] == records[1]
+    assert [x["prompt"] for x in records[0]] == ["Hello world", "The meaning of life is", "{"]
+    assert all(len(x["tokens"]) == 4 and x["text"] for x in records[0])
+    r = run("generate", "--prompts-file", str(tmp_path / "p.jsonl"), "--max-new-tokens", "2", "--temperature", "0")
+    assert r.returncode == 0 and [json.loads(line)["prompt"] for line in r.stdout.splitlines()] == ["Hello world", ""]
+
+
+def test_bad_prompts_files_are_one_line(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    (tmp_path / "empty.txt").write_text("\n\n")
+    for args, code, match in [
+        (["--prompts-file", str(tmp_path / "bad.jsonl")], 1, "bad.jsonl, line 2: expected an object"),
+        (["--prompts-file", str(tmp_path / "empty.txt")], 1, "no prompts"),
+        (["--prompts-file", str(tmp_path / "missing.txt")], 1, "missing.txt"),
+        (["Hi", "--prompts-file", str(tmp_path / "empty.txt")], 2, "not both"),
+        (["Hi", "--batch-size", "2"], 2, "--batch-size goes with --prompts-file"),
+    ]:
+        r = run("generate", *args)
+        assert r.returncode == code and match in r.stderr and "Traceback" not in r.stderr, r.stderr
