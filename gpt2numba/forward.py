@@ -29,6 +29,8 @@ from .config import GPT2Config
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
 from .kernels import (
     ATTEND_TILE,
+    HEAD_ROWS_MAX,
+    ROWS_MAX,
     _attend,
     _attention_plan,
     _expand_bf16,
@@ -39,8 +41,10 @@ from .kernels import (
     _head,
     _head_bf16,
     _head_int8,
+    _head_rows,
     _layernorm,
     _linear,
+    _linear_rows,
     _write_kv,
 )
 from .kvcache import ModelCache
@@ -254,21 +258,24 @@ def _embed(ids: np.ndarray, positions: np.ndarray, w: GPT2Weights) -> np.ndarray
 
 def _matmul(x, field, layer, b, out, accumulate, w, work, threads):
     """out (+)= x @ (layer's matrix ``field``) + b, whatever the matrix's storage."""
-    T = x.shape[0]
+    T, K = x.shape
     matrix = getattr(w, field)[layer]
+    scale = w.scales[field][layer] if w.scales else None
     scratch = work.scratch(T, threads)
-    if w.dtype == "float32":
+    if 2 <= T <= ROWS_MAX and K % 8 == 0:  # a few rows read the matrix as stored
+        _linear_rows(x, matrix, scale, b, scratch, out, accumulate, threads)
+    elif w.dtype == "float32":
         _linear(x, matrix, b, scratch, out, accumulate, threads, _split_k(T))
     elif T == 1 and w.dtype == "bfloat16":  # one row reads the compact matrix itself
         _gemv_bf16(x, matrix, b, scratch, out, accumulate, threads)
     elif T == 1:
-        _gemv_int8(x, matrix, w.scales[field][layer], b, scratch, out, accumulate, threads)
+        _gemv_int8(x, matrix, scale, b, scratch, out, accumulate, threads)
     else:  # many rows: widen the matrix once, then multiply as float32
         dense = work.dense(matrix.shape)
         if w.dtype == "bfloat16":
             _expand_bf16(matrix, dense)
         else:
-            _expand_int8(matrix, w.scales[field][layer], dense)
+            _expand_int8(matrix, scale, dense)
         _linear(x, dense, b, scratch, out, accumulate, threads, _split_k(T))
 
 
@@ -278,7 +285,9 @@ def _logits(x_rows: np.ndarray, w: GPT2Weights, threads: int, out: np.ndarray | 
     h = np.empty((len(x_rows), cfg.n_embd), np.float32)
     _layernorm(x_rows, w.ln_f_g, w.ln_f_b, cfg.layer_norm_epsilon, h)
     logits = np.empty((len(x_rows), cfg.vocab_size), np.float32) if out is None else out
-    if w.dtype == "float32":
+    if 2 <= len(x_rows) <= HEAD_ROWS_MAX:
+        _head_rows(w.wte, w.scales["wte"] if w.scales else None, h, logits, threads)
+    elif w.dtype == "float32":
         _head(w.wte, h, logits, threads)
     elif w.dtype == "bfloat16":
         _head_bf16(w.wte, h, logits, threads)
@@ -322,7 +331,7 @@ class _Workspace:
 
     def scratch(self, T: int, threads: int) -> np.ndarray:
         """Where matrix products land first: T rows, or T partial rows per thread (flat)."""
-        need = max((threads if _split_k(T) else 1) * T, 2 * threads) * self.width
+        need = max((threads if _split_k(T) else 1) * T, 2 * threads, T + 1) * self.width
         if self._scratch.size < need:  # grows with the rows, or when the thread count grows
             self._scratch = np.empty(need, np.float32)
         return self._scratch

@@ -198,15 +198,16 @@ def test_bad_decode_batch(tiny, two, tokens, caches, error, match):
     assert_all_unchanged(mcs, snapshots)
 
 
-@pytest.mark.parametrize("kernel", ["_attend", "_head"])
-def test_interrupted_batch_leaves_every_cache(tiny, two, monkeypatch, kernel):
+@pytest.mark.parametrize("step", ["_attend", "_logits"])
+def test_interrupted_batch_leaves_every_cache(tiny, two, monkeypatch, step):
+    """An exception inside the layer loop, or in the output head once every layer wrote its rows."""
     from gpt2numba import forward
 
     mcs, snapshots = two
 
     def broken(*args):
         raise KeyboardInterrupt
-    monkeypatch.setattr(forward, kernel, broken)
+    monkeypatch.setattr(forward, step, broken)
     with pytest.raises(KeyboardInterrupt):
         g.prefill_batch([[1, 2], [3]], tiny, mcs)
     for mc, (length, lengths, _, _) in zip(mcs, snapshots):

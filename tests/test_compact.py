@@ -72,6 +72,28 @@ def test_head(V, C, R, n_blocks, dtype, seed):
     np.testing.assert_allclose(out, h @ compact.expand("wte", stored, scale).T, atol=1e-4, rtol=1e-4)
 
 
+@given(T=st.integers(2, 7), K=groups, N=st.integers(1, 70), n_blocks=st.integers(1, 3),
+       dtype=st.sampled_from(COMPACT), accumulate=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_linear_rows(T, K, N, n_blocks, dtype, accumulate, seed):
+    """A few rows against the compact matrix read as stored."""
+    rng = np.random.default_rng(seed)
+    stored, scale = compact.compress("c_fc_w", randn(rng, K, N), dtype)
+    x, b, out = randn(rng, T, K), randn(rng, N), randn(rng, T, N)
+    ref = (out.astype(np.float64) if accumulate else 0) + x @ compact.expand("c_fc_w", stored, scale) + b
+    kernels._linear_rows(x, stored, scale, b, np.empty((T + 1) * N, np.float32), out, accumulate, n_blocks)
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@given(V=st.integers(1, 60), C=groups, R=st.integers(2, 5), n_blocks=st.integers(1, 3),
+       dtype=st.sampled_from(COMPACT), seed=st.integers(0, 2**32 - 1))
+def test_head_rows(V, C, R, n_blocks, dtype, seed):
+    rng = np.random.default_rng(seed)
+    stored, scale = compact.compress("wte", randn(rng, V, C), dtype)
+    h, out = randn(rng, R, C), np.empty((R, V), np.float32)
+    kernels._head_rows(stored, scale, h, out, n_blocks)
+    np.testing.assert_allclose(out, h @ compact.expand("wte", stored, scale).T, atol=1e-4, rtol=1e-4)
+
+
 @given(K=groups, N=st.integers(1, 70), dtype=st.sampled_from(COMPACT), seed=st.integers(0, 2**32 - 1))
 def test_expand(K, N, dtype, seed):
     stored, scale = compact.compress("c_fc_w", randn(np.random.default_rng(seed), K, N), dtype)
