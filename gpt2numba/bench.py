@@ -5,12 +5,15 @@
 
 Prefill time at several prompt lengths, decode ms/token at several contexts, cold
 start (a new process from import to the first logits) and peak resident memory
-(prefill 512, decode 128). The two systems alternate run by run (A B A B ...) so
-drift on a shared machine hits both. The floors come from this machine in the
-same run: streaming read bandwidth (decode reads every weight once per token) and
-float32 GEMM rate at a GPT-2 shape (prefill is matrix products). transformers
-and torch are optional (pip install 'gpt2numba[bench]'); without them only our
-figures and the floors are printed.
+(prefill 512, decode 128); throughput: tokens/s of B sequences decoding together
+(decode_batch, against transformers' batched generate), a ragged mix of contexts,
+and prefill_batch against one prefill after another. The two systems alternate
+run by run (A B A B ...) so drift on a shared machine hits both. The floors come
+from this machine in the same run: streaming read bandwidth (decode reads every
+weight once per token) and float32 GEMM rate at a GPT-2 shape (prefill is matrix
+products; so is a decode step of many sequences). transformers and torch are
+optional (pip install 'gpt2numba[bench]'); without them only our figures and the
+floors are printed.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 GEMM_SHAPE = (512, 768, 3072)  # (tokens, n_embd, 4 n_embd): GPT-2 small's c_fc at 512 tokens
+RAGGED_BATCH, RAGGED_CONTEXTS = 16, (16, 900)  # the ragged mix: 16 sequences, contexts uniform in [16, 900]
+PREFILL_BATCH = 8  # prompts of --batch-context tokens: one prefill_batch against one prefill after another
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["float32", "bfloat16", "int8"], help="gpt2numba's weight formats to run")
     p.add_argument("--accuracy-prompts", type=int, default=16,
                    help="random prompts for the compact formats' accuracy figures")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64],
+                   help="sequences decoding together (throughput)")
+    p.add_argument("--batch-context", type=int, default=128, help="context of every sequence (throughput)")
+    p.add_argument("--batch-steps", type=int, default=16, help="decode_batch steps per batch size (median)")
+    p.add_argument("--transformers-max-s", type=float, default=120.0,
+                   help="skip transformers' generate at a batch predicted (from the last one) to take longer")
+    p.add_argument("--no-throughput", action="store_true", help="skip the batched (throughput) section")
     p.add_argument("--no-transformers", action="store_true", help="only gpt2numba and the floors")
     p.add_argument("--no-processes", action="store_true", help="skip cold start and peak memory")
     p.add_argument("--json", type=Path, help="write every figure here")
@@ -79,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             report["prefill"] = _prefill_runs(systems, w, args)
             report["decode"] = _decode_runs(systems, w, args)
+            if not args.no_throughput:
+                report["throughput"] = _throughput_runs(ours, theirs, w, floors, args)
         finally:
             for remote in systems:
                 remote.close()
@@ -99,6 +113,7 @@ class _Ours:
         self.g, self.w = g, w
         self.name = _name(w.dtype)
         self.mc = g.ModelCache(w.config)
+        self.caches = []  # the batch's, one per sequence
 
     def prefill(self, ids):
         self.mc.reset()
@@ -106,6 +121,25 @@ class _Ours:
 
     def decode(self, token):
         return self.g.decode_step(token, self.w, self.mc)
+
+    def batch_caches(self, max_lens):
+        """New caches for a batch, each just long enough: 64 of 1024 positions would be 4.8 GB."""
+        self.caches = []  # the old ones go first
+        self.caches = [self.g.ModelCache(self.w.config, max_len=n) for n in max_lens]
+
+    def prefill_batch(self, prompts):
+        for mc in self.caches:
+            mc.reset()
+        return self.g.prefill_batch(prompts, self.w, self.caches)  # (B, vocab)
+
+    def prefill_each(self, prompts):
+        """The same prompts one prefill after another: what prefill_batch saves."""
+        for mc in self.caches:
+            mc.reset()
+        return np.stack([self.g.prefill(ids, self.w, mc) for ids, mc in zip(prompts, self.caches)])
+
+    def decode_batch(self, tokens):
+        return self.g.decode_batch(tokens, self.w, self.caches)  # (B, vocab)
 
 
 class _Theirs:
@@ -126,6 +160,29 @@ class _Theirs:
             out = self.model(self.torch.tensor([[token]]), past_key_values=self.past, use_cache=True)
         self.past = out.past_key_values
         return out.logits[0, -1].numpy()
+
+    def generate(self, batch):
+        """Batched greedy generate, as its users run it: {"tokens": (B, new) ids, "put_s": when each came}."""
+        ids, mask, new_tokens = batch  # (B, T) int64 left-padded, (B, T) 1 where a prompt is, int
+        clock = _Clock()
+        out = self.model.generate(self.torch.as_tensor(ids), attention_mask=self.torch.as_tensor(mask),
+                                  do_sample=False, use_cache=True, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, pad_token_id=0, streamer=clock)
+        return {"tokens": out[:, ids.shape[1]:].tolist(), "put_s": clock.times}
+
+
+class _Clock:
+    """A streamer for generate (put/end, as transformers' BaseStreamer) that notes when each put comes:
+    the first with the prompt, then one per new token, so the gaps after the second are decode steps."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
 
 
 def _transformers(model_dir, threads):
@@ -156,7 +213,11 @@ class _Remote:
         self.name, self.version = self.conn.recv()
 
     def call(self, method, arg, logits=False):
-        """(seconds, argmax, logits or None) of system.method(arg), timed in the worker."""
+        """(seconds, greedy, logits or None) of system.method(arg), timed in the worker.
+
+        greedy: the argmax of each row of logits, an int for (vocab,) and a list for (B, vocab);
+        a method that returns no logits has its result here instead.
+        """
         time.sleep(0.02)  # let the other process's threads stop spinning
         self.conn.send((method, arg, logits))
         reply = self.conn.recv()
@@ -186,7 +247,8 @@ def _serve(kind, model_dir, threads, conn):
             t = time.perf_counter()
             out = getattr(system, method)(arg)
             seconds = time.perf_counter() - t
-            conn.send((seconds, int(np.argmax(out)), out if want_logits else None))
+            greedy = out.argmax(-1).tolist() if isinstance(out, np.ndarray) else out
+            conn.send((seconds, greedy, out if want_logits else None))
         except Exception as e:  # reported to the parent, which stops the run
             conn.send(f"{type(e).__name__}: {e}")
 
@@ -195,8 +257,6 @@ def _serve(kind, model_dir, threads, conn):
 
 def _floors(stored, args):
     """stored: dtype -> the weights in that format."""
-    from threadpoolctl import threadpool_limits
-
     from .kernels import _stream_sum
 
     wait_for_idle()
@@ -209,23 +269,37 @@ def _floors(stored, args):
         times.append(time.perf_counter() - t)
     bandwidth = a.nbytes / min(times)  # the best pass: what the memory can do
     del a
-    M, K, N = GEMM_SHAPE
+    gemm = _gemm_rate(*GEMM_SHAPE, args.threads)
+    cfg = stored["float32"].config
+    # decode reads every matrix once, the output head included, but only one row of wpe
+    decode_bytes = {_name(d): wd.nbytes - wd.wpe.nbytes for d, wd in stored.items()}
+    decode_bytes["transformers"] = decode_bytes[_name("float32")]
+    floors = {"read_gb_s": bandwidth / 1e9, "gemm_gflop_s": gemm / 1e9, "decode_bytes": decode_bytes,
+              "decode_floor_ms": {k: 1e3 * b / bandwidth for k, b in decode_bytes.items()},
+              "prefill_floor_ms": {T: 1e3 * _prefill_flops(cfg, T) / gemm for T in args.lengths}}
+    if not args.no_throughput:
+        # B rows through c_fc's shape: small M is a skinny product, far below the 512-row rate. Two
+        # BLAS threads on two busy cores run a skinny product tens of times slower: wait for quiet.
+        wait_for_idle()
+        floors["batch_gemm_shape"] = (cfg.n_embd, 4 * cfg.n_embd)
+        floors["batch_gemm_gflop_s"] = {B: _gemm_rate(B, cfg.n_embd, 4 * cfg.n_embd, args.threads) / 1e9
+                                        for B in sorted({*args.batch_sizes, RAGGED_BATCH})}
+    return floors
+
+
+def _gemm_rate(M, K, N, threads):
+    """FLOP/s of the best of ten float32 (M, K) @ (K, N) products, BLAS on ``threads`` threads."""
+    from threadpoolctl import threadpool_limits
+
     x, b, out = np.ones((M, K), np.float32), np.ones((K, N), np.float32), np.empty((M, N), np.float32)
-    with threadpool_limits(args.threads, user_api="blas"):
+    with threadpool_limits(threads, user_api="blas"):
         np.matmul(x, b, out=out)
         times = []
         for _ in range(10):
             t = time.perf_counter()
             np.matmul(x, b, out=out)
             times.append(time.perf_counter() - t)
-    gemm = 2 * M * K * N / min(times)
-    cfg = stored["float32"].config
-    # decode reads every matrix once, the output head included, but only one row of wpe
-    decode_bytes = {_name(d): wd.nbytes - wd.wpe.nbytes for d, wd in stored.items()}
-    decode_bytes["transformers"] = decode_bytes[_name("float32")]
-    return {"read_gb_s": bandwidth / 1e9, "gemm_gflop_s": gemm / 1e9, "decode_bytes": decode_bytes,
-            "decode_floor_ms": {k: 1e3 * b / bandwidth for k, b in decode_bytes.items()},
-            "prefill_floor_ms": {T: 1e3 * _prefill_flops(cfg, T) / gemm for T in args.lengths}}
+    return 2 * M * K * N / min(times)
 
 
 def _name(dtype):
@@ -315,6 +389,137 @@ def _decode_runs(systems, w, args):
         if "transformers" in tokens and "gpt2numba" in tokens:
             results[context]["same_greedy_tokens"] = tokens["gpt2numba"] == tokens["transformers"]
     return results
+
+
+# --- throughput: many sequences at once -----------------------------------------------------------
+
+def _throughput_runs(ours, theirs, w, floors, args):
+    """Tokens/s of B sequences decoding together, a ragged mix of contexts, prefill_batch against prefills.
+
+    ours: the gpt2numba workers; theirs: transformers' worker, or None.
+    """
+    cfg, steps = w.config, args.batch_steps
+    result = {"context": args.batch_context, "steps": steps, "batches": {}, "notes": []}
+    sizes = args.batch_sizes
+    if args.batch_context + steps + 2 > cfg.n_positions:
+        result["notes"].append(f"batch sizes skipped: context {args.batch_context} + {steps} steps + 2 "
+                               f"> n_positions {cfg.n_positions}")
+        sizes = []
+    rng = np.random.default_rng(3)
+    pace = {}  # transformers' seconds per prompt token, padding included, in its last generate
+    blocks = [*((B, "uniform") for B in sizes), (RAGGED_BATCH, "ragged"), (PREFILL_BATCH, "prefill")]
+    for B, kind in _progress(blocks, "throughput"):
+        if kind == "prefill":
+            result["prefill"] = _batch_prefill(ours, w, args, result["notes"])
+            continue
+        if kind == "uniform":
+            contexts = np.full(B, args.batch_context)
+        else:  # as many of 16..900 as fit beside the steps: n_positions 64 gives 16..60
+            high = min(RAGGED_CONTEXTS[1], cfg.n_positions - steps - 2)
+            if high < 1:
+                result["notes"].append(f"ragged mix skipped: n_positions {cfg.n_positions} leaves no context "
+                                       f"for {steps} steps")
+                continue
+            contexts = np.random.default_rng(4).integers(min(RAGGED_CONTEXTS[0], high), high + 1, B)
+        prompts = [rng.integers(0, cfg.vocab_size, n) for n in contexts]
+        row = _batch_decode(ours, theirs, prompts, args, pace, result["notes"], f"B={B} {kind}")
+        entry = {"decode": row, "floor_ms": {name: _batch_floor(floors, cfg, name, B, int(contexts.sum()))
+                                             for name, _ in _systems(row)}}
+        if kind == "uniform":
+            result["batches"][B] = entry
+        else:
+            result["ragged"] = {"contexts": contexts.tolist(),
+                                "attention_ratio": float(contexts.sum() / (B * args.batch_context)), **entry}
+    return result
+
+
+def _batch_decode(ours, theirs, prompts, args, pace, notes, label):
+    """B sequences decoding together: the gpt2numba formats step by step in turn, then transformers' generate.
+
+    prompts: B id arrays, lengths may differ. Returns the table's row: step-time stats with tok_s per
+    system, others' CPU share, and how many sequences' greedy tokens transformers matched (float32).
+    """
+    B, steps = len(prompts), args.batch_steps
+    for s in ours:  # the prefill's token, a warm-up step's, then the timed steps', and one row spare
+        s.call("batch_caches", [len(ids) + steps + 2 for ids in prompts])
+    chosen = {s.name: [s.call("prefill_batch", prompts)[1]] for s in ours}  # per step: B greedy tokens
+    for s in ours:  # one untimed step each: warm-up
+        chosen[s.name].append(s.call("decode_batch", chosen[s.name][-1])[1])
+    times = {s.name: [] for s in ours}
+    theirs_tokens = None
+    padded = B * max(map(len, prompts))  # transformers computes the left padding too
+    wait_for_idle()
+    with _Load(*(s.process.pid for s in [*ours, *([theirs] if theirs else [])])) as load:
+        for _ in range(steps):
+            for s in ours:
+                seconds, greedy, _ = s.call("decode_batch", chosen[s.name][-1])
+                chosen[s.name].append(greedy)
+                times[s.name].append(seconds)
+        predicted = pace.get("s_per_token", 0.0) * padded
+        if theirs and predicted > args.transformers_max_s:
+            notes.append(f"transformers skipped at {label}: about {predicted:.0f} s predicted from the last "
+                         f"batch > --transformers-max-s {args.transformers_max_s:g}")
+        elif theirs:
+            seconds, out, _ = theirs.call("generate", _left_padded(prompts, steps + 2))
+            pace["s_per_token"] = seconds / padded
+            times["transformers"] = np.diff(out["put_s"])[2:]  # after the prefill's gap and a warm-up step's
+            theirs_tokens = out["tokens"]
+    row = {"sequences": B}
+    for name, ts in times.items():
+        row[name] = _stats(ts)
+        row[name]["tok_s"] = 1e3 * B / row[name]["median_ms"]
+    row["others_cpu"] = load.share
+    if theirs_tokens is not None and "gpt2numba" in chosen:
+        same = np.array(chosen["gpt2numba"]).T == np.array(theirs_tokens)  # (B, steps + 2)
+        row["same_greedy_sequences"] = int(same.all(axis=1).sum())
+    return row
+
+
+def _left_padded(prompts, new_tokens):
+    """generate's arguments for a batch: every prompt ends in the last column, masked padding before it."""
+    T = max(map(len, prompts))
+    ids = np.zeros((len(prompts), T), np.int64)  # (B, T)
+    mask = np.zeros((len(prompts), T), np.int64)  # (B, T): 1 on a prompt, 0 on padding
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):], mask[b, T - len(p):] = p, 1
+    return ids, mask, new_tokens
+
+
+def _batch_floor(floors, cfg, name, B, context_sum):
+    """Floors of one decode step of B sequences, ms: reading the weights and the K/V rows of the contexts
+    (over 600 MB at B = 64 x 128, more than GPT-2 small's weights), and the matrix products of B rows."""
+    kv_bytes = context_sum * 2 * cfg.n_layer * cfg.n_embd * 4  # float32 K and V, every layer
+    matrix_params = cfg.n_layer * 12 * cfg.n_embd**2 + cfg.vocab_size * cfg.n_embd  # 4 per block, wte
+    read_b_s = 1e9 * floors["read_gb_s"]
+    return {"read": 1e3 * (floors["decode_bytes"][name] + kv_bytes) / read_b_s, "kv_read": 1e3 * kv_bytes / read_b_s,
+            "gemm": 1e3 * 2 * B * matrix_params / (1e9 * floors["batch_gemm_gflop_s"][B])}
+
+
+def _batch_prefill(ours, w, args, notes):
+    """PREFILL_BATCH prompts as one prefill_batch against one prefill after another, in each format."""
+    T = args.batch_context
+    if T > w.config.n_positions:
+        notes.append(f"prefill_batch skipped: {T} tokens > n_positions {w.config.n_positions}")
+        return None
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, w.config.vocab_size, T) for _ in range(PREFILL_BATCH)]
+    diffs = {}
+    for s in ours:  # warm-up; both ways must give the same logits
+        s.call("batch_caches", [T] * PREFILL_BATCH)
+        batch = s.call("prefill_batch", prompts, logits=True)[2]
+        diffs[s.name] = float(np.abs(batch - s.call("prefill_each", prompts, logits=True)[2]).max())
+    times = {s.name: {"batch": [], "sequential": []} for s in ours}
+    wait_for_idle()
+    with _Load(*(s.process.pid for s in ours)) as load:
+        for _ in range(args.repeat):
+            for s in ours:
+                times[s.name]["batch"].append(s.call("prefill_batch", prompts)[0])
+                times[s.name]["sequential"].append(s.call("prefill_each", prompts)[0])
+    result = {"prompts": PREFILL_BATCH, "length": T, "runs": args.repeat, "others_cpu": load.share}
+    for name, t in times.items():
+        result[name] = {"batch": _stats(t["batch"]), "sequential": _stats(t["sequential"]),
+                        "max_abs_logit_diff": diffs[name]}
+    return result
 
 
 def _stats(seconds):
@@ -481,6 +686,8 @@ def _print(r, floors):
                   f"{_versus(row, name):>15}  {o['min_ms']:>7.2f}-{o['max_ms']:<7.2f} {_pct(row['others_cpu']):>6}")
         if "same_greedy_tokens" in row:
             print(f"{'':>9}same greedy tokens as transformers: {row['same_greedy_tokens']}")
+    if "throughput" in r:
+        _print_throughput(r["throughput"], floors)
     if r.get("accuracy"):
         print()
     for dtype, a in r.get("accuracy", {}).items():
@@ -495,6 +702,59 @@ def _print(r, floors):
     if r.get("peak_rss_mb"):
         m = r["peak_rss_mb"]
         print("peak RSS, prefill 512 + decode 128: " + ", ".join(f"{k} {v:.0f} MB" for k, v in m.items()))
+
+
+def _print_throughput(t, floors):
+    shape = "x".join(map(str, floors["batch_gemm_shape"]))
+    print(f"\nthroughput: B sequences decoding together at context {t['context']} each, median of {t['steps']} "
+          f"decode_batch steps; transformers: batched greedy generate")
+    print(f"floors per step: read = (weight bytes + the contexts' K/V rows) / read rate; GEMM = 2 B x matrix "
+          f"parameters / BLAS rate at Bx{shape}: "
+          + ", ".join(f"B={B} {rate:.0f}" for B, rate in floors["batch_gemm_gflop_s"].items()) + " GFLOP/s")
+    first = min(t["batches"], default=None)
+    base = {name: o["tok_s"] for name, o in _systems(t["batches"][first]["decode"])} if first else {}
+    print(f"\n{'batch':>6}  {'system':<22} {'step ms':>8} {'tok/s':>6} {f'vs B={first or 1}':>7} {'read ms':>8} "
+          f"{'GEMM ms':>8} {'/floor':>7} {'vs transformers':>15} {'others':>6}")
+    ragged = t.get("ragged")
+    for B, entry in t["batches"].items():
+        _print_batch(str(B), entry, base)
+        if B == RAGGED_BATCH and ragged:
+            _print_ragged(ragged, t, base)
+            ragged = None
+    if ragged:
+        _print_ragged(ragged, t, base)
+    p = t.get("prefill")
+    if p:
+        print(f"\nprefill {p['prompts']} x {p['length']} tokens: one prefill_batch against {p['prompts']} "
+              f"prefills one after another (median of {p['runs']}), "
+              f"others {_pct(p['others_cpu'])}")
+        for name, o in _systems(p):
+            batch, each = o["batch"]["median_ms"], o["sequential"]["median_ms"]
+            print(f"{'':>8}{name:<22} {batch:>8.1f} ms against {each:>8.1f} ms: {each / batch:.2f}x; "
+                  f"max |batch - one by one| logits {o['max_abs_logit_diff']:.1e}")
+    for note in t["notes"]:
+        print(f"throughput: {note}")
+
+
+def _print_batch(label, entry, base):
+    row = entry["decode"]
+    for name, o in _systems(row):
+        f = entry["floor_ms"][name]
+        vs_base = f"{o['tok_s'] / base[name]:.2f}x" if name in base else ""
+        print(f"{label:>6}  {name:<22} {o['median_ms']:>8.2f} {o['tok_s']:>6.0f} {vs_base:>7} {f['read']:>8.1f} "
+              f"{f['gemm']:>8.1f} {o['median_ms'] / max(f['read'], f['gemm']):>6.2f}x {_versus(row, name):>15} "
+              f"{_pct(row['others_cpu']):>6}")
+    if "same_greedy_sequences" in row:
+        print(f"{'':>8}same greedy tokens as transformers: {row['same_greedy_sequences']} of "
+              f"{row['sequences']} sequences")
+
+
+def _print_ragged(r, t, base):
+    contexts = r["contexts"]
+    print(f"{'':>8}ragged: {len(contexts)} sequences at contexts {min(contexts)} to {max(contexts)}, "
+          f"{r['attention_ratio']:.2f}x the attention work of {len(contexts)} x {t['context']}"
+          + (f"; transformers pads each to {max(contexts)}" if "transformers" in r["decode"] else ""))
+    _print_batch("ragged", r, base)
 
 
 def _systems(row):

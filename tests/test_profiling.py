@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import gpt2numba as g
 from checkpoints import write_dir
 from conftest import TINY
@@ -38,3 +40,54 @@ def test_profile_step_script(tmp_path):
     assert r.returncode == 0, r.stderr
     for kind in ("attention", "qkv (c_attn)", "mlp c_fc", "gelu", "layernorm", "cache write", "head (wte)"):
         assert kind in r.stdout
+
+
+def _bench_throughput(tmp_path, *extra):
+    """The benchmark with only its throughput section worth the name, on the tiny checkpoint (64 positions)."""
+    write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "bench.py"), "--model", str(tmp_path / "ckpt"),
+                        "--lengths", "4", "--contexts", "4", "--repeat", "2", "--steps", "2", "--bandwidth-mib", "8",
+                        "--batch-sizes", "1", "3", "--batch-context", "4", "--batch-steps", "2", "--no-processes",
+                        "--json", str(out), *extra],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text())["throughput"], r.stdout
+
+
+def test_bench_throughput(tmp_path):
+    t, stdout = _bench_throughput(tmp_path, "--dtypes", "float32", "int8", "--accuracy-prompts", "2",
+                                  "--no-transformers")
+    assert set(t["batches"]) == {"1", "3"}
+    for B in ("1", "3"):
+        decode = t["batches"][B]["decode"]
+        assert decode["gpt2numba int8"]["n"] == 2 and "transformers" not in decode
+        assert decode["gpt2numba"]["tok_s"] == pytest.approx(1e3 * int(B) / decode["gpt2numba"]["median_ms"])
+        assert t["batches"][B]["floor_ms"]["gpt2numba"]["gemm"] > 0
+    # 16..900 clamped to what fits in 64 positions beside 2 steps, the prompt's token and a spare row
+    contexts = t["ragged"]["contexts"]
+    assert len(contexts) == 16 and 16 <= min(contexts) and max(contexts) <= 60 and len(set(contexts)) > 1
+    assert t["ragged"]["attention_ratio"] == pytest.approx(sum(contexts) / (16 * 4))
+    assert t["ragged"]["decode"]["gpt2numba"]["tok_s"] > 0
+    p = t["prefill"]
+    assert (p["prompts"], p["length"]) == (8, 4) and p["gpt2numba"]["batch"]["n"] == 2
+    assert p["gpt2numba"]["max_abs_logit_diff"] < 1e-4 and p["gpt2numba int8"]["sequential"]["median_ms"] > 0
+    assert "throughput" in stdout and "ragged" in stdout and "prefill 8 x 4 tokens" in stdout
+
+
+def test_bench_throughput_skips_what_does_not_fit(tmp_path):
+    t, stdout = _bench_throughput(tmp_path, "--dtypes", "float32", "--no-transformers", "--batch-context", "80")
+    assert t["batches"] == {} and t["prefill"] is None and t["ragged"]["decode"]["gpt2numba"]["n"] == 2
+    assert "batch sizes skipped" in stdout and "prefill_batch skipped" in stdout
+
+
+def test_bench_throughput_against_transformers(tmp_path):
+    pytest.importorskip("torch", reason="the transformers comparison needs torch (pip install 'gpt2numba[bench]')")
+    pytest.importorskip("transformers", reason="the comparison needs transformers (pip install 'gpt2numba[bench]')")
+    t, stdout = _bench_throughput(tmp_path, "--dtypes", "float32")
+    for entry in (t["batches"]["1"], t["batches"]["3"], t["ragged"]):
+        decode = entry["decode"]
+        assert decode["transformers"]["n"] == 2 and decode["transformers"]["tok_s"] > 0
+        # greedy over the same weights: left padding and ragged positions must not change a token
+        assert decode["same_greedy_sequences"] == decode["sequences"]
+    assert "same greedy tokens as transformers: 3 of 3 sequences" in stdout
