@@ -1,10 +1,12 @@
 """Where the time of one prefill and one decode step goes, per kernel kind.
 
-    python profiling/profile_step.py [--prompt 512] [--context 128] [--repeat 5] [--dtype int8]
+    python profiling/profile_step.py [--prompt 512] [--context 128] [--repeat 5] [--dtype int8] [--batch 16]
 
 Wraps each kernel the forward pass calls with a timer (the calls are synchronous,
 so wall time per call is the kernel's time), runs the step --repeat times after a
-warm-up, and prints the median total per kind in ms and its share.
+warm-up, and prints the median total per kind in ms and its share. With --batch B, also one
+decode_batch step of B sequences, all at --context and then a ragged mix of
+contexts 16..900 (seeded): the difference between the two is the extra attention.
 """
 
 import argparse
@@ -26,7 +28,7 @@ def instrument(totals, cfg):
     head = lambda *a, **k: "head (wte)"  # noqa: E731
     kinds = {"_layernorm": lambda *a, **k: "layernorm", "_write_kv": lambda *a, **k: "cache write",
              "_attend": lambda *a, **k: "attention", "_gelu": lambda *a, **k: "gelu",
-             "_head": head, "_head_bf16": head, "_head_int8": head,
+             "_head": head, "_head_bf16": head, "_head_int8": head, "_head_rows": head,
              "_matmul": lambda x, field, *a, **k: MATRIX_KINDS[field]}
     saved = {name: getattr(forward, name) for name in kinds}
 
@@ -72,6 +74,7 @@ def main():
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--batch", type=int, default=0, help="also a decode step of this many sequences")
     args = p.parse_args()
     w = (g.load_weights(args.model, dtype=args.dtype) if args.model
          else g.random_weights(g.GPT2Config.small(), seed=0, dtype=args.dtype))
@@ -94,6 +97,22 @@ def main():
         mc._length -= 1  # decode the same position again (test-only rewind)
         mc._lengths[:] -= 1
     profile(f"decode step after {args.context} tokens", one_decode, args.repeat, w.config)
+
+    if args.batch:
+        top = min(900, w.config.n_positions - 1)
+        for label, contexts in [(f"at context {args.context} each", [args.context] * args.batch),
+                                (f"at contexts {min(16, top)}..{top} (ragged)",
+                                 rng.integers(min(16, top), top + 1, args.batch))]:
+            caches = [g.ModelCache(w.config, max_len=int(n) + 1) for n in contexts]
+            g.prefill_batch([rng.integers(0, w.config.vocab_size, n) for n in contexts], w, caches)
+            print(f"\n(attention over {sum(contexts)} cached positions in all)", end="")
+
+            def one_batch_step():
+                g.decode_batch([1] * len(caches), w, caches)
+                for mc in caches:  # decode the same positions again (test-only rewind)
+                    mc._length -= 1
+                    mc._lengths[:] -= 1
+            profile(f"decode step of {args.batch} sequences {label}", one_batch_step, args.repeat, w.config)
 
 
 if __name__ == "__main__":
