@@ -23,7 +23,8 @@ from .forward import (
     set_threads,
 )
 from .kvcache import ModelCache
-from .oracle import recompute_logits
+from .oracle import recompute_all_logits, recompute_logits
+from .scoring import Score, perplexity, score, score_batch, score_text
 from .sample import Sampler, SamplingError, generate, generate_batch, generate_text, generate_text_batch
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import GPT2Weights, load_weights, random_weights, save_weights
@@ -31,8 +32,9 @@ from .weights import GPT2Weights, load_weights, random_weights, save_weights
 __all__ = [
     "GPT2Config", "GPT2Weights", "ModelCache",
     "load_weights", "random_weights", "save_weights", "default_weights",
-    "prefill", "decode_step", "prefill_batch", "decode_batch", "embed_token", "run_prefill", "recompute_logits",
-    "generate", "generate_text", "generate_batch", "generate_text_batch", "Sampler", "load_tokenizer", "Tokenizer", "set_threads", "get_threads",
+    "prefill", "decode_step", "prefill_batch", "decode_batch", "embed_token", "run_prefill", "recompute_logits", "recompute_all_logits",
+    "generate", "generate_text", "generate_batch", "generate_text_batch",
+    "Score", "score", "score_batch", "score_text", "perplexity", "Sampler", "load_tokenizer", "Tokenizer", "set_threads", "get_threads",
     "GPT2NumbaError", "BatchError", "TokenError", "TokenTypeError", "CacheFullError",
     "ConfigError", "CheckpointError", "CheckpointNotFoundError", "SamplingError",
 ]

@@ -1,9 +1,10 @@
-"""Command line: gpt2numba generate | check | bench (also python -m gpt2numba)."""
+"""Command line: gpt2numba generate | check | score | bench (also python -m gpt2numba)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -66,6 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--decode", type=_at_least(0), default=8, help="greedy steps after each prefill (default 8)")
     check.add_argument("--seed", type=_at_least(0), default=0, help="seed of the random prompts")
 
+    score = commands.add_parser(
+        "score", help="log-likelihood and perplexity of documents, one JSON line each",
+        description="Score documents: every token's log-probability given those before it (sliding windows "
+        "past the context). Writes one JSON line per document: source, index, tokens (scored), nll (nats), "
+        "perplexity, bits_per_byte; corpus totals and a progress bar go to stderr.")
+    score.add_argument("files", nargs="*", metavar="FILE", default=["-"],
+                       help="plain text (one document per file) or JSON lines; - or nothing reads stdin")
+    score.add_argument("--lines", action="store_true", help="plain text: one document per line")
+    score.add_argument("--field", metavar="NAME",
+                       help="the files are JSON lines with the text in NAME (default for .jsonl files: text)")
+    score.add_argument("--stride", type=_at_least(1), help="sliding-window stride (default n_positions // 2)")
+    score.add_argument("--model", help=model_help)
+    score.add_argument("--dtype", default="float32", choices=DTYPES, help=dtype_help)
+    score.add_argument("--threads", type=_at_least(1), help="threads to use (default: the cores)")
+    score.add_argument("--batch-size", type=_at_least(1), default=16, metavar="N",
+                       help="documents scored together in one pass (default 16)")
+
     bench = commands.add_parser("bench", help="prefill and decode timings (profiling/bench.py)",
                                 description="Prefill and decode timings; see profiling/bench.py --help.",
                                 add_help=False)
@@ -79,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import main as bench_main
 
             return bench_main(args.rest)
-        return {"generate": _generate, "check": _check}[args.command](args)
+        return {"generate": _generate, "check": _check, "score": _score}[args.command](args)
     except (GPT2NumbaError, OSError) as e:
         print(f"gpt2numba: error: {e}", file=sys.stderr)
         return 1
@@ -195,6 +213,81 @@ def _generate_batch(prompts, w, tokenizer, batch_size, options) -> int:
     print(f"gpt2numba: {len(prompts)} prompts, {n} new tokens in {seconds:.1f} s: {n / seconds:.0f} tokens/s "
           f"(batch size {min(batch_size or len(prompts), len(prompts))}, prefills included)", file=sys.stderr)
     return 0
+
+
+def _documents(args):
+    """(source, index, text) of every document, in order; GPT2NumbaError naming the file and line
+    for bytes that are not UTF-8 or a line that is not the JSON asked for."""
+    for name in args.files:
+        data = sys.stdin.buffer.read() if name == "-" else Path(name).read_bytes()
+        source = "<stdin>" if name == "-" else name
+        field = args.field or ("text" if name.endswith(".jsonl") else None)
+        if field is None and not args.lines:
+            yield source, 0, _utf8(data, source, 1)
+            continue
+        for n, line in enumerate(data.split(b"\n")[: -1 if data.endswith(b"\n") else None]):
+            text = _utf8(line, source, n + 1)
+            if field is not None:
+                try:
+                    record = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise GPT2NumbaError(f"{source}, line {n + 1}: not JSON ({e.msg})") from None
+                if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                    raise GPT2NumbaError(f'{source}, line {n + 1}: no string field "{field}"')
+                text = record[field]
+            yield source, n, text
+
+
+def _utf8(data: bytes, source: str, line: int) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = line + data[: e.start].count(b"\n")
+        raise GPT2NumbaError(f"{source}, line {at}: bytes that are not UTF-8 ({e.reason})") from None
+
+
+def _score(args) -> int:
+    """One JSON line per document, a progress bar in tokens, corpus totals; on a bad document,
+    the ones before it are still scored and written."""
+    from tqdm import tqdm
+
+    from .scoring import score_batch
+    from .tokenizer import load_tokenizer
+
+    w, path, _ = resolve_model(args.model, args.dtype)
+    tokenizer = load_tokenizer(path)
+    docs, failure = [], None
+    try:
+        for source, index, text in _documents(args):
+            docs.append((source, index, text, tokenizer.encode(text)))
+    except (GPT2NumbaError, OSError) as e:
+        failure = e
+    t0 = time.perf_counter()
+    nll = tokens = n_bytes = 0
+    with tqdm(total=sum(len(ids) for *_, ids in docs), unit="tok", unit_scale=True, file=sys.stderr,
+              desc="score") as bar:
+        for lo in range(0, len(docs), args.batch_size):
+            group = docs[lo: lo + args.batch_size]
+            for (source, index, text, ids), s in zip(group, score_batch([d[3] for d in group], w,
+                                                                         stride=args.stride)):
+                size = len(text.encode("utf-8"))
+                print(json.dumps({"source": source, "index": index, "tokens": s.n_tokens, "nll": s.nll,
+                                  "perplexity": _finite(s.perplexity),
+                                  "bits_per_byte": s.nll / math.log(2) / size if size else None}), flush=True)
+                nll, tokens, n_bytes = nll + s.nll, tokens + s.n_tokens, n_bytes + size
+                bar.update(len(ids))
+    seconds = time.perf_counter() - t0
+    print(f"gpt2numba: {len(docs)} documents, {tokens} tokens scored, nll {nll:.1f} nats, perplexity "
+          f"{math.exp(nll / tokens) if tokens else float('nan'):.2f}, "
+          f"{nll / math.log(2) / n_bytes if n_bytes else float('nan'):.3f} bits/byte; "
+          f"{seconds:.1f} s, {tokens / max(seconds, 1e-9):.0f} tokens/s", file=sys.stderr)
+    if failure is not None:
+        raise failure
+    return 0
+
+
+def _finite(x: float):
+    return x if math.isfinite(x) else None  # JSON has no nan
 
 
 def _check(args) -> int:

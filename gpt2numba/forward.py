@@ -51,18 +51,22 @@ from .kvcache import ModelCache
 from .weights import GPT2Weights, load_weights, random_weights
 
 
-def prefill(prompt_ids, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
+def prefill(prompt_ids, w: GPT2Weights, mc: ModelCache, logits: str = "last") -> np.ndarray:
     """Run the prompt through the model in one batched pass, filling the cache.
 
     prompt_ids: non-empty 1-D integer ids in [0, vocab). Token i sits at position
     mc.length + i, so a cache that already holds tokens is continued.
-    Returns float32 (vocab,): the next-token logits after the last prompt token.
+    Returns float32 (vocab,): the next-token logits after the last prompt token;
+    with logits="all", float32 (T, vocab): the logits after every prompt token.
     Raises TokenTypeError / TokenError for bad ids, CacheFullError when the
     prompt needs more than the cache's room, ConfigError when the cache was built
-    for another config; the cache is then unchanged.
+    for another config (or for another value of ``logits``); the cache is then unchanged.
     """
     checks.weights(w)
-    return _forward([_prompt(prompt_ids, w, mc, "")], w, [mc])[0]
+    if logits not in ("last", "all"):
+        raise ConfigError(f'logits must be "last" or "all", got {logits!r}')
+    rows = _forward([_prompt(prompt_ids, w, mc, "")], w, [mc], _logits_head(w), every_row=logits == "all")
+    return rows if logits == "all" else rows[0]
 
 
 def decode_step(token_id: int, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
@@ -73,7 +77,7 @@ def decode_step(token_id: int, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
     then unchanged.
     """
     checks.weights(w)
-    return _forward([_token(token_id, w, mc, "")], w, [mc])[0]
+    return _forward([_token(token_id, w, mc, "")], w, [mc], _logits_head(w))[0]
 
 
 def prefill_batch(prompts, w: GPT2Weights, caches, *, out: np.ndarray | None = None) -> np.ndarray:
@@ -89,7 +93,7 @@ def prefill_batch(prompts, w: GPT2Weights, caches, *, out: np.ndarray | None = N
     checks.weights(w)
     prompts, caches = _pairs(prompts, caches, "prompts")
     rows = [_prompt(ids, w, mc, f"prompt {b}: ") for b, (ids, mc) in enumerate(zip(prompts, caches))]
-    return _forward(rows, w, caches, out)
+    return _forward(rows, w, caches, _logits_head(w, out, len(rows)))
 
 
 def decode_batch(token_ids, w: GPT2Weights, caches, *, out: np.ndarray | None = None) -> np.ndarray:
@@ -105,7 +109,7 @@ def decode_batch(token_ids, w: GPT2Weights, caches, *, out: np.ndarray | None = 
         raise BatchError(f"token_ids must be 1-D, one id per cache; got an array of shape {token_ids.shape}")
     token_ids, caches = _pairs(token_ids, caches, "token_ids")
     rows = [_token(t, w, mc, f"token {b}: ") for b, (t, mc) in enumerate(zip(token_ids, caches))]
-    return _forward(rows, w, caches, out)
+    return _forward(rows, w, caches, _logits_head(w, out, len(rows)))
 
 
 def embed_token(token_id: int, position: int, w: GPT2Weights) -> np.ndarray:
@@ -204,17 +208,16 @@ def _token(token_id, w: GPT2Weights, mc, label: str) -> np.ndarray:
 
 # --- the forward pass -----------------------------------------------------------------------------------
 
-def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache],
-             out: np.ndarray | None = None) -> np.ndarray:
-    """All blocks over the checked new ids of B sequences; each one's last logits, (B, V).
+def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], head, every_row: bool = False):
+    """All blocks over the checked new ids of B sequences; then ``head`` on the final rows.
 
     seqs[b]: int64 (T_b,) ids at positions caches[b].length..; the caches are
-    distinct and have room. Their lengths move only once everything has succeeded.
+    distinct and have room. head(h, threads) takes h: float32 (R, C), the rows
+    after ln_f (each sequence's last row, or with every_row all N rows in order),
+    and returns the result: the logits, or what scoring keeps of them. The
+    caches' lengths move only once the head has succeeded.
     """
     cfg, B = w.config, len(seqs)
-    if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.float32
-                            or out.shape != (B, cfg.vocab_size) or not out.flags.c_contiguous):
-        raise ConfigError(f"out must be a C-contiguous float32 array of shape {(B, cfg.vocab_size)}")
     counts = np.array([len(s) for s in seqs], np.int64)
     row0 = np.zeros(B + 1, np.int64)  # sequence b's rows: row0[b]..row0[b+1]-1
     np.cumsum(counts, out=row0[1:])
@@ -244,10 +247,13 @@ def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache],
         wrong = np.flatnonzero((written != (pos0 + counts)[:, None]).any(axis=0))
         if wrong.size:
             raise GPT2NumbaError(f"internal error: layers {wrong.tolist()} did not write their cache rows")
-        logits = _logits(x[row0[1:] - 1], w, threads, out)
+        rows = x if every_row else x[row0[1:] - 1]
+        h = np.empty_like(rows)  # (R, C)
+        _layernorm(rows, w.ln_f_g, w.ln_f_b, eps, h)
+        result = head(h, threads)
     for mc, layers in zip(caches, written):
         mc._commit(layers)
-    return logits
+    return result
 
 
 def _embed(ids: np.ndarray, positions: np.ndarray, w: GPT2Weights) -> np.ndarray:
@@ -279,21 +285,27 @@ def _matmul(x, field, layer, b, out, accumulate, w, work, threads):
         _linear(x, dense, b, scratch, out, accumulate, threads, _split_k(T))
 
 
-def _logits(x_rows: np.ndarray, w: GPT2Weights, threads: int, out: np.ndarray | None) -> np.ndarray:
-    # (R, C) -> (R, V): ln_f, then the tied head wte; BLAS already pinned by _forward
-    cfg = w.config
-    h = np.empty((len(x_rows), cfg.n_embd), np.float32)
-    _layernorm(x_rows, w.ln_f_g, w.ln_f_b, cfg.layer_norm_epsilon, h)
-    logits = np.empty((len(x_rows), cfg.vocab_size), np.float32) if out is None else out
-    if 2 <= len(x_rows) <= HEAD_ROWS_MAX:
-        _head_rows(w.wte, w.scales["wte"] if w.scales else None, h, logits, threads)
-    elif w.dtype == "float32":
-        _head(w.wte, h, logits, threads)
-    elif w.dtype == "bfloat16":
-        _head_bf16(w.wte, h, logits, threads)
-    else:
-        _head_int8(w.wte, w.scales["wte"], h, logits, threads)
-    return logits
+def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None = None):
+    """The head that returns logits: h (R, C) -> float32 (R, V), into ``out`` (rows, V) if given."""
+    V = w.config.vocab_size
+    if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.float32
+                            or out.shape != (rows, V) or not out.flags.c_contiguous):
+        raise ConfigError(f"out must be a C-contiguous float32 array of shape {(rows, V)}")
+
+    def head(h: np.ndarray, threads: int) -> np.ndarray:
+        # the tied head wte; BLAS already pinned by _forward
+        logits = np.empty((len(h), V), np.float32) if out is None else out
+        scale = w.scales["wte"] if w.scales else None
+        if 2 <= len(h) <= HEAD_ROWS_MAX:
+            _head_rows(w.wte, scale, h, logits, threads)
+        elif w.dtype == "float32":
+            _head(w.wte, h, logits, threads)
+        elif w.dtype == "bfloat16":
+            _head_bf16(w.wte, h, logits, threads)
+        else:
+            _head_int8(w.wte, scale, h, logits, threads)
+        return logits
+    return head
 
 
 def _split_k(T: int) -> bool:

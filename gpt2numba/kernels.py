@@ -514,9 +514,7 @@ def _head_bf16(wte, h, out, n_blocks):
         scores = np.empty(R * HEAD_CHUNK, np.float32)
         for c0 in range(lo, hi, HEAD_CHUNK):
             c1 = min(hi, c0 + HEAD_CHUNK)
-            for v in range(c0, c1):
-                for c in range(C):
-                    dense[v - c0, c] = _as_float32(np.uint32(wte[v, c]) << 16)
+            _widen_rows(wte, None, c0, c1, dense)
             _chunk_scores(h, dense, c0, c1, scores, out)
 
 
@@ -544,10 +542,81 @@ def _head_int8(q, scale, h, out, n_blocks):
         scores = np.empty(R * HEAD_CHUNK, np.float32)
         for c0 in range(lo, hi, HEAD_CHUNK):
             c1 = min(hi, c0 + HEAD_CHUNK)
-            for v in range(c0, c1):
-                for c in range(C):
-                    dense[v - c0, c] = np.float32(q[v, c]) * scale[v, c // _GROUP]
+            _widen_rows(q, scale, c0, c1, dense)
             _chunk_scores(h, dense, c0, c1, scores, out)
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _widen_rows(wte, scale, c0, c1, dense):
+    """dense[:c1 - c0] = float32 values of wte rows c0..c1-1 (times their int8 scales if ``scale``).
+
+    wte: (V, C) float32, bfloat16 bits or int8; scale: (V, C // GROUP) or None; dense: (>= c1 - c0, C).
+    """
+    C = wte.shape[1]
+    for v in range(c0, c1):
+        if scale is None:
+            for c in range(C):
+                dense[v - c0, c] = _widen(wte[v, c])
+        else:
+            for c in range(C):
+                dense[v - c0, c] = _widen(wte[v, c]) * scale[v, c // _GROUP]
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _head_log_softmax(wte, scale, h, targets, logprob, best, n_blocks):
+    """log softmax(h @ W.T) at each row's target, and each row's argmax, with no (R, V) array.
+
+    wte: (V, C) float32, bfloat16 bits or int8; scale: (V, C // GROUP) int8 scales or None;
+    h: (R, C); targets: int64 (R,), ids in [0, V) or -1 for a row with none (its logprob
+    is nan); logprob: float64 (R,); best: int64 (R,), the lowest id of the largest logit.
+    Each thread takes a block of the vocabulary in chunks of HEAD_CHUNK rows (widened
+    to float32, then one BLAS product for every row) and keeps, per row, a running max,
+    the sum of exp(logit - max) and the argmax; the blocks are merged at the end:
+    memory is O(R x threads + chunk).
+    """
+    V, C = wte.shape
+    R = h.shape[0]
+    step = (V + n_blocks - 1) // n_blocks
+    peak = np.full((n_blocks, R), -np.inf)  # float64: running max per block and row
+    total = np.zeros((n_blocks, R))          # sum of exp(logit - peak)
+    arg = np.zeros((n_blocks, R), np.int64)
+    hit = np.full(R, np.nan)                 # the target's logit, from the block that holds it
+    for blk in prange(n_blocks):
+        lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+        dense = np.empty((HEAD_CHUNK, C), np.float32)
+        scores = np.empty(R * HEAD_CHUNK, np.float32)
+        bits = np.empty(HEAD_CHUNK, np.int32)
+        for c0 in range(lo, hi, HEAD_CHUNK):
+            c1 = min(hi, c0 + HEAD_CHUNK)
+            _widen_rows(wte, scale, c0, c1, dense)
+            chunk = scores[: R * (c1 - c0)].reshape(R, c1 - c0)
+            np.dot(h, dense[: c1 - c0].T, chunk)
+            for r in range(R):
+                row = chunk[r]
+                t = targets[r]
+                if c0 <= t < c1:
+                    hit[r] = row[t - c0]
+                j = row.argmax()
+                if row[j] > peak[blk, r]:  # a new max: rescale what was summed so far
+                    total[blk, r] *= math.exp(peak[blk, r] - row[j])
+                    peak[blk, r], arg[blk, r] = row[j], c0 + j
+                m = np.float32(peak[blk, r])
+                for c in range(c1 - c0):
+                    row[c] -= m
+                _exp_inplace(row, bits)
+                total[blk, r] += row.sum()
+    for r in range(R):
+        top = 0
+        for blk in range(1, n_blocks):
+            if peak[blk, r] > peak[top, r]:
+                top = blk
+        m = peak[top, r]
+        s = 0.0
+        for blk in range(n_blocks):
+            if total[blk, r] > 0.0:
+                s += total[blk, r] * math.exp(peak[blk, r] - m)
+        logprob[r] = hit[r] - (m + math.log(s))
+        best[r] = arg[top, r]
 
 
 @njit(cache=True)

@@ -61,6 +61,18 @@ def recompute_logits(ids, w: GPT2Weights) -> np.ndarray:
     weights are run on the float32 values they stand for.
     Returns a float64 array of shape (vocab_size,).
     """
+    h, w = final_states(ids, w)
+    return head(h[-1:], w)[0]
+
+
+def recompute_all_logits(ids, w: GPT2Weights) -> np.ndarray:
+    """The logits after every position of ``ids``, float64 (len(ids), vocab_size); as recompute_logits."""
+    h, w = final_states(ids, w)
+    return head(h, w)
+
+
+def final_states(ids, w: GPT2Weights):
+    """(ln_f(x) of every position [T, C] float64, the float32-valued weights), checked as the engine checks."""
     checks.weights(w)  # the same checks as the engine's, none of its arithmetic
     ids = checks.token_ids(ids, w.config.vocab_size)
     if len(ids) > w.config.n_positions:
@@ -70,7 +82,9 @@ def recompute_logits(ids, w: GPT2Weights) -> np.ndarray:
     x = w.wte[ids].astype(np.float64) + w.wpe[:T].astype(np.float64)  # [T, C]
     for layer in range(w.config.n_layer):
         x = block(x, w, layer)
-    last = layer_norm(x[-1:], w.ln_f_g.astype(np.float64), w.ln_f_b.astype(np.float64),
-                      w.config.layer_norm_epsilon)[0]  # [C]
-    # Tied head, one vocabulary block at a time to bound the float64 copy.
-    return np.concatenate([blk.astype(np.float64) @ last for blk in np.array_split(w.wte, 8)])
+    return layer_norm(x, w.ln_f_g.astype(np.float64), w.ln_f_b.astype(np.float64), w.config.layer_norm_epsilon), w
+
+
+def head(h, w: GPT2Weights):
+    # [T, C] -> [T, V], the tied head, one vocabulary block at a time to bound the float64 copy
+    return np.concatenate([h @ blk.astype(np.float64).T for blk in np.array_split(w.wte, 8)], axis=1)

@@ -198,7 +198,7 @@ def test_bad_decode_batch(tiny, two, tokens, caches, error, match):
     assert_all_unchanged(mcs, snapshots)
 
 
-@pytest.mark.parametrize("step", ["_attend", "_logits"])
+@pytest.mark.parametrize("step", ["_attend", "_head_rows"])
 def test_interrupted_batch_leaves_every_cache(tiny, two, monkeypatch, step):
     """An exception inside the layer loop, or in the output head once every layer wrote its rows."""
     from gpt2numba import forward

@@ -106,3 +106,37 @@ def test_bad_prompts_files_are_one_line(tmp_path):
     ]:
         r = run("generate", *args)
         assert r.returncode == code and match in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_score_files(tmp_path):
+    """One JSON line per document, in order; the same figures as score_text in-process."""
+    import json
+    import math
+
+    (tmp_path / "a.txt").write_text("The quick brown fox jumps over the lazy dog.")
+    (tmp_path / "lines.txt").write_text("Hello world\n\nOnce upon a time\n")
+    (tmp_path / "c.jsonl").write_text('{"text": "A cat sat."}\n{"text": "x", "id": 2}\n')
+    r = run("score", str(tmp_path / "a.txt"), str(tmp_path / "c.jsonl"))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(x["source"].rsplit("/", 1)[-1], x["index"]) for x in rows] == [("a.txt", 0), ("c.jsonl", 0), ("c.jsonl", 1)]
+    expected = g.score_text("The quick brown fox jumps over the lazy dog.", g.default_weights())
+    assert rows[0]["tokens"] == expected.n_tokens and math.isclose(rows[0]["nll"], expected.nll, rel_tol=1e-6)
+    assert math.isclose(rows[0]["bits_per_byte"], expected.nll / math.log(2) / 44, rel_tol=1e-6)
+    assert rows[2]["tokens"] == 0 and rows[2]["perplexity"] is None  # one token: nothing to score
+    assert "3 documents" in r.stderr and "tokens/s" in r.stderr
+    r = run("score", "--lines", str(tmp_path / "lines.txt"), "--stride", "8", "--batch-size", "2")
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line)["tokens"] for line in r.stdout.splitlines()] == [1, 0, 3]  # the empty line: 0
+
+
+def test_score_reports_bad_bytes_and_keeps_what_came_before(tmp_path):
+    import json
+
+    (tmp_path / "bad.txt").write_bytes(b"good line\nanother good one\nbad \xff byte\nnever read\n")
+    r = run("score", "--lines", str(tmp_path / "bad.txt"))
+    assert r.returncode == 1 and "bad.txt, line 3: bytes that are not UTF-8" in r.stderr and "Traceback" not in r.stderr
+    assert [json.loads(line)["index"] for line in r.stdout.splitlines()] == [0, 1]
+    r = subprocess.run([sys.executable, "-m", "gpt2numba", "score", "-", "--field", "body"], input='{"text": "a"}\n',
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1 and '<stdin>, line 1: no string field "body"' in r.stderr

@@ -12,6 +12,7 @@ import pytest
 
 import gpt2numba as g
 import helpers
+import test_score
 from conftest import TINY
 from gpt2numba import forward, kernels
 from numba import typed
@@ -81,7 +82,7 @@ def test_catches_mask_leaking_the_next_position(tiny, ids, monkeypatch):
 def test_catches_transposed_conv1d_weight(tiny, ids, monkeypatch):
     real = forward._forward
     flipped = dataclasses.replace(tiny, attn_c_proj_w=tiny.attn_c_proj_w.transpose(0, 2, 1).copy())
-    monkeypatch.setattr(forward, "_forward", lambda seqs, w, caches, out=None: real(seqs, flipped, caches, out))
+    monkeypatch.setattr(forward, "_forward", lambda seqs, w, caches, *rest, **kw: real(seqs, flipped, caches, *rest, **kw))
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")
 
@@ -133,3 +134,48 @@ def test_catches_a_refill_that_keeps_the_slots_cache(tiny, monkeypatch):
     helpers.check_generate_batch(PROMPTS, tiny, batch_size=None)  # no slot is refilled: still right
     with pytest.raises(CAUGHT):
         helpers.check_generate_batch(PROMPTS, tiny, batch_size=3)
+
+
+# --- scoring ------------------------------------------------------------------------------------------
+
+def test_catches_a_log_softmax_without_the_maximum(tiny, monkeypatch):
+    from gpt2numba import scoring as score
+
+    def no_max(wte, scale, h, targets, logprob, best, n_blocks):  # exp(logit) summed as it comes
+        logits = h @ wte.T  # float32, as the kernel's
+        with np.errstate(over="ignore", invalid="ignore"):
+            lse = np.log(np.exp(logits).sum(axis=1))
+        logprob[:] = np.where(targets >= 0, logits[np.arange(len(h)), targets] - lse, np.nan)
+        best[:] = logits.argmax(axis=1)
+    test_score.check_score(np.arange(20), tiny, "control")
+    monkeypatch.setattr(score, "_head_log_softmax", no_max)
+    test_score.check_score(np.arange(20), tiny, "mutant")  # small logits: no overflow, no difference
+    with pytest.raises(CAUGHT):
+        test_score.test_score_large_logits(tiny, np.random.default_rng(1234))
+
+
+def test_catches_windows_that_score_the_overlap_twice(tiny, monkeypatch):
+    from gpt2numba import scoring as score
+
+    def overlapping(ids, w, stride):  # each window scores all its tokens, the overlap again
+        logprobs, greedy = np.full(len(ids) - 1, np.nan), np.zeros(len(ids) - 1, bool)
+        for begin in range(0, len(ids), stride):
+            end = min(begin + w.config.n_positions, len(ids))
+            lp, gr = score._score_windows([ids[begin:end]], w)[0]
+            logprobs[begin:end - 1], greedy[begin:end - 1] = lp, gr
+            if end == len(ids):
+                break
+        return score.Score(logprobs, greedy)
+    monkeypatch.setattr(score, "_windows", overlapping)
+    ids = np.random.default_rng(3).integers(0, TINY.vocab_size, 2 * TINY.n_positions)
+    test_score.check_windows(ids, tiny, TINY.n_positions)  # no overlap, no difference
+    with pytest.raises(CAUGHT):
+        test_score.check_windows(ids, tiny, 16)
+
+
+def test_catches_scoring_a_token_from_its_own_logits(tiny, monkeypatch):
+    from gpt2numba import scoring as score
+
+    monkeypatch.setattr(score, "_targets", lambda ids: ids.copy())  # position i "predicts" ids[i]
+    with pytest.raises(CAUGHT):
+        test_score.check_score(np.arange(20), tiny, "mutant")
