@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import ConfigError, TokenError, TokenTypeError
+from .errors import ConfigError, GPT2NumbaError, TokenError, TokenTypeError
 
 
 def is_integer(value) -> bool:
@@ -68,3 +68,11 @@ def weights(w) -> None:
 
     if not isinstance(w, GPT2Weights):
         raise ConfigError(f"expected GPT2Weights, got {type(w).__name__}")
+
+
+def labelled(label: str, check, *args):
+    """check(*args), with ``label`` (which sequence of a batch) put before any error's message."""
+    try:
+        return check(*args)
+    except GPT2NumbaError as e:
+        raise type(e)(f"{label}{e}") from None

@@ -182,10 +182,7 @@ def _check_cache(w: GPT2Weights, mc, label: str) -> None:
 def _prompt(prompt_ids, w: GPT2Weights, mc, label: str) -> np.ndarray:
     """One checked prompt, int64 (T,), that fits its cache; ``label`` starts every message."""
     _check_cache(w, mc, label)
-    try:
-        ids = checks.token_ids(prompt_ids, w.config.vocab_size)
-    except GPT2NumbaError as e:
-        raise type(e)(f"{label}{e}") from None
+    ids = checks.labelled(label, checks.token_ids, prompt_ids, w.config.vocab_size)
     if len(ids) > mc.room:
         raise CacheFullError(
             f"{label}a prompt of {len(ids)} tokens does not fit: the cache holds {mc.length} of "
@@ -197,10 +194,7 @@ def _prompt(prompt_ids, w: GPT2Weights, mc, label: str) -> np.ndarray:
 def _token(token_id, w: GPT2Weights, mc, label: str) -> np.ndarray:
     """One checked token as int64 (1,), with room in its cache."""
     _check_cache(w, mc, label)
-    try:
-        token_id = checks.token_id(token_id, w.config.vocab_size)
-    except GPT2NumbaError as e:
-        raise type(e)(f"{label}{e}") from None
+    token_id = checks.labelled(label, checks.token_id, token_id, w.config.vocab_size)
     if mc.room == 0:
         raise CacheFullError(f"{label}the cache is full: all max_len={mc.max_len} positions hold tokens")
     return np.array([token_id], np.int64)

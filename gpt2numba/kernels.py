@@ -378,7 +378,7 @@ def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch):
     0..pos0[b]+i1-1; the softmax of the query at pos reads keys 0..pos only and
     zeroes the rest, so the mask is exact and by loop bounds.
     """
-    H, D = ks[0].shape[1], ks[0].shape[3]
+    D = ks[0].shape[3]
     P = scratch.shape[1] // ATTEND_TILE - D
     scale = np.float32(1.0 / math.sqrt(D))
     for blk in prange(bounds.size - 1):
@@ -510,12 +510,7 @@ def _head_bf16(wte, h, out, n_blocks):
                     s += _as_float32(np.uint32(row[c]) << 16) * h[0, c]
                 out[0, v] = s
             continue
-        dense = np.empty((HEAD_CHUNK, C), np.float32)
-        scores = np.empty(R * HEAD_CHUNK, np.float32)
-        for c0 in range(lo, hi, HEAD_CHUNK):
-            c1 = min(hi, c0 + HEAD_CHUNK)
-            _widen_rows(wte, None, c0, c1, dense)
-            _chunk_scores(h, dense, c0, c1, scores, out)
+        _head_widened(wte, None, h, lo, hi, out)
 
 
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
@@ -538,12 +533,18 @@ def _head_int8(q, scale, h, out, n_blocks):
                         lanes[c] += sg * np.float32(row[g * _GROUP + c]) * h[0, g * _GROUP + c]
                 out[0, v] = lanes.sum()
             continue
-        dense = np.empty((HEAD_CHUNK, C), np.float32)
-        scores = np.empty(R * HEAD_CHUNK, np.float32)
-        for c0 in range(lo, hi, HEAD_CHUNK):
-            c1 = min(hi, c0 + HEAD_CHUNK)
-            _widen_rows(q, scale, c0, c1, dense)
-            _chunk_scores(h, dense, c0, c1, scores, out)
+        _head_widened(q, scale, h, lo, hi, out)
+
+
+@njit(cache=True)
+def _head_widened(wte, scale, h, lo, hi, out):
+    """out[:, lo:hi] = h @ W[lo:hi].T for compact wte: HEAD_CHUNK rows at a time widened, then BLAS."""
+    dense = np.empty((HEAD_CHUNK, wte.shape[1]), np.float32)
+    scores = np.empty(h.shape[0] * HEAD_CHUNK, np.float32)
+    for c0 in range(lo, hi, HEAD_CHUNK):
+        c1 = min(hi, c0 + HEAD_CHUNK)
+        _widen_rows(wte, scale, c0, c1, dense)
+        _chunk_scores(h, dense, c0, c1, scores, out)
 
 
 @njit(cache=True, fastmath=FASTMATH)

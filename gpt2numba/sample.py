@@ -160,10 +160,7 @@ def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, temperature:
         raise BatchError("no prompts: give at least one")
     checked = []
     for i, prompt in enumerate(prompts):
-        try:
-            ids = [int(t) for t in checks.token_ids(prompt, cfg.vocab_size)]
-        except GPT2NumbaError as e:
-            raise type(e)(f"prompt {i}: {e}") from None
+        ids = [int(t) for t in checks.labelled(f"prompt {i}: ", checks.token_ids, prompt, cfg.vocab_size)]
         if len(ids) + max_new_tokens > cfg.n_positions:
             raise CacheFullError(
                 f"prompt {i}: {len(ids)} tokens + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from . import checks
-from .errors import BatchError, ConfigError, GPT2NumbaError
+from .errors import BatchError, ConfigError
 from .forward import _forward
 from .kernels import _head_log_softmax
 from .kvcache import ModelCache
@@ -85,12 +85,7 @@ def score_batch(sequences, w: GPT2Weights, *, stride: int | None = None,
         raise ConfigError(f"batch_rows must be an integer >= 1, got {batch_rows!r}")
     if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__"):
         raise BatchError(f"sequences must be a sequence of id sequences, got {type(sequences).__name__}")
-    docs = []
-    for i, ids in enumerate(sequences):
-        try:
-            docs.append(_ids(ids, cfg.vocab_size))
-        except GPT2NumbaError as e:
-            raise type(e)(f"sequence {i}: {e}") from None
+    docs = [checks.labelled(f"sequence {i}: ", _ids, ids, cfg.vocab_size) for i, ids in enumerate(sequences)]
 
     scores: list[Score | None] = [None] * len(docs)
     short = []  # (index, ids) of the documents one window holds

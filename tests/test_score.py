@@ -9,7 +9,6 @@ import dataclasses
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import gpt2numba as g
 import helpers
