@@ -76,3 +76,12 @@ def labelled(label: str, check, *args):
         return check(*args)
     except GPT2NumbaError as e:
         raise type(e)(f"{label}{e}") from None
+
+
+def sequence(value, name: str) -> list:
+    """``value`` as a list, or BatchError unless it is a sequence: any iterable but a str or bytes."""
+    from .errors import BatchError
+
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise BatchError(f"{name} must be a sequence, got {type(value).__name__}")
+    return list(value)

@@ -140,6 +140,9 @@ def _generate(args) -> int:
     if args.prompts_file is None and args.batch_size is not None:
         print("gpt2numba: error: --batch-size goes with --prompts-file", file=sys.stderr)
         return 2
+    if args.prompts_file is not None and args.slide:
+        print("gpt2numba: error: --slide goes with a single PROMPT, not --prompts-file", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     prompts = None if args.prompts_file is None else _read_prompts(args.prompts_file)
     w, path, source = resolve_model(args.model, args.dtype)
@@ -173,7 +176,8 @@ def _generate(args) -> int:
 
 def _read_prompts(path: Path) -> list[str]:
     """Prompts from a file: JSON lines with a "prompt" field, or else one prompt per line (blank lines skipped)."""
-    text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    source = "<stdin>" if str(path) == "-" else str(path)
+    text = _utf8(sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes(), source, 1)
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise GPT2NumbaError(f"{path}: no prompts in the file")
@@ -195,19 +199,25 @@ def _generate_batch(prompts, w, tokenizer, batch_size, options) -> int:
     """One JSON line per prompt as it finishes; a progress bar and the aggregate tokens/s on stderr."""
     from tqdm import tqdm
 
-    from .sample import generate_batch, prompt_ids
+    from .sample import _batch_steps, prompt_ids
 
     ids = [prompt_ids(p, tokenizer) for p in prompts]
     tokens = {i: [] for i in range(len(prompts))}
-    max_new = options["max_new_tokens"]
     t0 = time.perf_counter()
+
+    def write(i):
+        text = tokenizer.decode([t for t in tokens[i] if t != tokenizer.eot_id])
+        print(json.dumps({"index": i, "prompt": prompts[i], "text": text, "tokens": tokens[i]}), flush=True)
+        bar.update()
     with tqdm(total=len(prompts), unit="prompt", file=sys.stderr, desc="generate") as bar:
-        for i, token in generate_batch(ids, w, batch_size=batch_size, **options):
+        pending = set(tokens)
+        for i, token, done in _batch_steps(ids, w, batch_size=batch_size, **options):
             tokens[i].append(token)
-            if len(tokens[i]) == max_new or (token == tokenizer.eot_id and options["stop_at_eos"]):
-                text = tokenizer.decode([t for t in tokens[i] if t != tokenizer.eot_id])
-                print(json.dumps({"index": i, "prompt": prompts[i], "text": text, "tokens": tokens[i]}), flush=True)
-                bar.update()
+            if done:
+                write(i)
+                pending.discard(i)
+        for i in sorted(pending):  # max_new_tokens 0: nothing was generated, still a record each
+            write(i)
     seconds = time.perf_counter() - t0
     n = sum(map(len, tokens.values()))
     print(f"gpt2numba: {len(prompts)} prompts, {n} new tokens in {seconds:.1f} s: {n / seconds:.0f} tokens/s "

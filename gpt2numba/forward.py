@@ -156,10 +156,7 @@ def _pairs(items, caches, what: str) -> tuple[list, list[ModelCache]]:
     if isinstance(caches, ModelCache):
         raise BatchError(f"caches must be a sequence of ModelCache, one per sequence; got one ModelCache "
                          f"(for a single sequence use {'prefill' if what == 'prompts' else 'decode_step'})")
-    for name, value in ((what, items), ("caches", caches)):
-        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-            raise BatchError(f"{name} must be a sequence, got {type(value).__name__}")
-    items, caches = list(items), list(caches)
+    items, caches = checks.sequence(items, what), checks.sequence(caches, "caches")
     if not caches:
         raise BatchError("the batch is empty: give at least one sequence and its cache")
     if len(items) != len(caches):
@@ -282,9 +279,9 @@ def _matmul(x, field, layer, b, out, accumulate, w, work, threads):
 def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None = None):
     """The head that returns logits: h (R, C) -> float32 (R, V), into ``out`` (rows, V) if given."""
     V = w.config.vocab_size
-    if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.float32
-                            or out.shape != (rows, V) or not out.flags.c_contiguous):
-        raise ConfigError(f"out must be a C-contiguous float32 array of shape {(rows, V)}")
+    if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (rows, V)
+                            or not out.flags.c_contiguous or not out.flags.writeable):
+        raise ConfigError(f"out must be a writeable, C-contiguous float32 array of shape {(rows, V)}")
 
     def head(h: np.ndarray, threads: int) -> np.ndarray:
         # the tied head wte; BLAS already pinned by _forward
@@ -303,12 +300,13 @@ def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None
 
 
 def _split_k(T: int) -> bool:
-    """Whether a product over T rows splits the weights' rows, rather than the tokens, across threads.
+    """Whether a BLAS product over T rows splits the weights' rows, rather than the tokens, across threads.
 
     Measured on 2 cores with GPT-2 small's matrices: splitting the weights wins from
     1 token to 256 (each thread reads only its part of them), except at 2 tokens,
     where one matrix-vector product per thread wins; from 256 on, splitting the
-    tokens is as fast or faster and needs no partial sums.
+    tokens is as fast or faster and needs no partial sums. (2 to ROWS_MAX rows go to
+    _linear_rows instead whenever K is a multiple of 8, as in every GPT-2.)
     """
     return T != 2 and T <= 256
 

@@ -422,8 +422,9 @@ def _stream_sum(a):
 
 
 # --- compact weights (see compact.py): bfloat16 bits as uint16, int8 with per-group scales -------
-# Decode reads them directly, widening in registers; prefill widens one matrix at a
-# time into a float32 buffer and multiplies with BLAS.
+# One row (a decode step) and a few (_linear_rows, _head_rows) read them directly,
+# widening in registers; a long prefill widens one matrix at a time into a float32
+# buffer and multiplies with BLAS.
 
 
 @njit(cache=True, parallel=True, fastmath=FASTMATH)

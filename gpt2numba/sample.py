@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import checks
-from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
+from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError, TokenTypeError
 from .forward import decode_step, prefill, prefill_batch
 from .kvcache import ModelCache
 from .tokenizer import EOT_ID, Tokenizer, load_tokenizer
@@ -149,14 +149,22 @@ def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, temperature:
     CacheFullError when a prompt plus max_new_tokens passes n_positions,
     BatchError for no prompts.
     """
+    steps = _batch_steps(prompts, w, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                         top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop_at_eos=stop_at_eos,
+                         batch_size=batch_size)
+    return ((i, token) for i, token, _ in steps)
+
+
+def _batch_steps(prompts, w, *, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+                 repetition_penalty=1.0, seed=None, stop_at_eos=True, batch_size=None):
+    """generate_batch's checks, then its tokens as (prompt_index, token_id, whether that prompt is done)."""
     checks.weights(w)
     cfg = w.config
     sampler = _settings(temperature, top_k, top_p, repetition_penalty, max_new_tokens, seed)
     if batch_size is not None and (not checks.is_integer(batch_size) or batch_size < 1):
         raise SamplingError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
-    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
-        raise BatchError(f"prompts must be a sequence of id sequences, got {type(prompts).__name__}")
-    if len(prompts) == 0:
+    prompts = checks.sequence(prompts, "prompts")
+    if not prompts:
         raise BatchError("no prompts: give at least one")
     checked = []
     for i, prompt in enumerate(prompts):
@@ -178,25 +186,27 @@ def _generate_batch(prompts, w, sampler, max_new_tokens, rngs, stop_at_eos, slot
     caches = [ModelCache(w.config, max_len) for _ in range(slots)]
     logits = np.empty((slots, w.config.vocab_size), np.float32)  # reused by every step
     waiting = collections.deque(range(len(prompts)))
-    seqs: dict[int, list[int]] = {}  # slot -> index of its prompt, then its ids so far
+    prompt_of: dict[int, int] = {}  # slot -> the index of the prompt it serves
+    ids: dict[int, list[int]] = {}  # slot -> that sequence's ids so far
     feed: dict[int, list[int]] = {}  # slot -> ids to feed in the next pass
     while waiting or feed:
         for slot in range(slots):
-            if slot not in seqs and waiting:  # a free slot takes the next prompt
-                i = waiting.popleft()
+            if slot not in prompt_of and waiting:  # a free slot takes the next prompt
+                i = prompt_of[slot] = waiting.popleft()
                 caches[slot].reset()
-                seqs[slot] = [i, *prompts[i]]
+                ids[slot] = list(prompts[i])
                 feed[slot] = prompts[i]
         order = list(feed)
         rows = prefill_batch([feed[s] for s in order], w, [caches[s] for s in order], out=logits[: len(order)])
         feed = {}
         for slot, row in zip(order, rows):
-            i, *ids = seq = seqs[slot]
-            token = sampler(row, ids, rngs[i])
-            seq.append(token)
-            yield i, token
-            if (stop_at_eos and token == EOT_ID) or len(ids) + 1 - len(prompts[i]) == max_new_tokens:
-                del seqs[slot]  # free for the next prompt
+            i = prompt_of[slot]
+            token = sampler(row, ids[slot], rngs[i])
+            ids[slot].append(token)
+            done = (stop_at_eos and token == EOT_ID) or len(ids[slot]) - len(prompts[i]) == max_new_tokens
+            yield i, token, done
+            if done:
+                del prompt_of[slot]  # free for the next prompt
             else:
                 feed[slot] = [token]
 
@@ -205,15 +215,28 @@ def generate_text_batch(texts, w: GPT2Weights, tokenizer: Tokenizer | None = Non
     """generate_batch from texts to texts: the generated continuations, in input order.
 
     An empty text starts from <|endoftext|>; <|endoftext|> ends a text and is not shown.
+    Raises TokenTypeError for a text that is not a str, ConfigError for a tokenizer that is
+    not a Tokenizer, and what generate_batch raises.
     """
-    tokenizer = tokenizer or load_tokenizer()
-    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
-        raise SamplingError("texts must be a sequence of str")
+    texts = checks.sequence(texts, "texts")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TokenTypeError(f"text {i} must be a str, got {type(text).__name__}")
+    tokenizer = _tokenizer(tokenizer)
     tokens: list[list[int]] = [[] for _ in texts]
-    for i, token in generate_batch([prompt_ids(t, tokenizer) for t in texts], w, **options):
+    for i, token, _ in _batch_steps([prompt_ids(t, tokenizer) for t in texts], w, **options):
         if token != tokenizer.eot_id:
             tokens[i].append(token)
     return [tokenizer.decode(t) for t in tokens]
+
+
+def _tokenizer(tokenizer) -> Tokenizer:
+    """``tokenizer``, or GPT-2's when None; ConfigError for anything else."""
+    if tokenizer is None:
+        return load_tokenizer()
+    if not isinstance(tokenizer, Tokenizer):
+        raise ConfigError(f"tokenizer must be a Tokenizer (see load_tokenizer), got {type(tokenizer).__name__}")
+    return tokenizer
 
 
 def generate_text(prompt: str, w: GPT2Weights, tokenizer: Tokenizer | None = None, **options) -> Iterator[str]:
@@ -222,7 +245,7 @@ def generate_text(prompt: str, w: GPT2Weights, tokenizer: Tokenizer | None = Non
     A piece never ends inside a multi-byte character (bytes wait for the rest);
     <|endoftext|> ends the text and is not shown.
     """
-    tokenizer = tokenizer or load_tokenizer()
+    tokenizer = _tokenizer(tokenizer)
     if not isinstance(prompt, str):
         raise SamplingError(f"prompt must be a str, got {type(prompt).__name__}")
     tokens = generate(prompt_ids(prompt, tokenizer), w, **options)

@@ -15,11 +15,12 @@ import math
 import numpy as np
 
 from . import checks
-from .errors import BatchError, ConfigError
+from .errors import ConfigError, TokenTypeError
 from .forward import _forward
 from .kernels import _head_log_softmax
 from .kvcache import ModelCache
-from .tokenizer import Tokenizer, load_tokenizer
+from .sample import _tokenizer
+from .tokenizer import Tokenizer
 from .weights import GPT2Weights
 
 # Rows of one scoring pass when documents share it: the head's float32 chunk scores
@@ -83,8 +84,7 @@ def score_batch(sequences, w: GPT2Weights, *, stride: int | None = None,
         raise ConfigError(f"stride must be an integer in [1, {cfg.n_positions}] (n_positions), got {stride!r}")
     if not checks.is_integer(batch_rows) or batch_rows < 1:
         raise ConfigError(f"batch_rows must be an integer >= 1, got {batch_rows!r}")
-    if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__"):
-        raise BatchError(f"sequences must be a sequence of id sequences, got {type(sequences).__name__}")
+    sequences = checks.sequence(sequences, "sequences")
     docs = [checks.labelled(f"sequence {i}: ", _ids, ids, cfg.vocab_size) for i, ids in enumerate(sequences)]
 
     scores: list[Score | None] = [None] * len(docs)
@@ -110,8 +110,8 @@ def score_batch(sequences, w: GPT2Weights, *, stride: int | None = None,
 def score_text(text: str, w: GPT2Weights, tokenizer: Tokenizer | None = None, **options) -> Score:
     """score() of a text's tokens (GPT-2's BPE; a checkpoint's own tokenizer where given)."""
     if not isinstance(text, str):
-        raise ConfigError(f"text must be a str, got {type(text).__name__}")
-    return score((tokenizer or load_tokenizer()).encode(text), w, **options)
+        raise TokenTypeError(f"text must be a str, got {type(text).__name__}")
+    return score(_tokenizer(tokenizer).encode(text), w, **options)
 
 
 def perplexity(text: str, w: GPT2Weights, tokenizer: Tokenizer | None = None, **options) -> float:
@@ -121,25 +121,33 @@ def perplexity(text: str, w: GPT2Weights, tokenizer: Tokenizer | None = None, **
 
 def _ids(ids, vocab_size: int) -> np.ndarray:
     """A document's ids, checked; empty is allowed (it scores 0 tokens)."""
-    if isinstance(ids, (list, tuple)) and len(ids) == 0 or isinstance(ids, np.ndarray) and ids.size == 0:
+    empty_array = isinstance(ids, np.ndarray) and ids.shape == (0,) and ids.dtype.kind in "iu"
+    if empty_array or isinstance(ids, (list, tuple)) and len(ids) == 0:
         return np.zeros(0, np.int64)
     return checks.token_ids(ids, vocab_size)
 
 
 def _windows(ids: np.ndarray, w: GPT2Weights, stride: int) -> Score:
-    """Sliding windows over a sequence longer than the context (Hugging Face's guide)."""
+    """Sliding windows over a sequence longer than the context (Hugging Face's guide), BATCH_ROWS rows a pass."""
     L, n = len(ids), w.config.n_positions
-    logprobs, greedy = np.full(L - 1, np.nan), np.zeros(L - 1, bool)
+    plan = []  # (begin, end, first token it scores)
     scored_to = 0  # tokens before this index are scored (or are the first)
     for begin in range(0, L, stride):
         end = min(begin + n, L)
-        lp, gr = _score_windows([ids[begin:end]], w)[0]  # [j]: token begin+j+1 from position begin+j
-        first = max(scored_to, begin + 1)  # the first token this window scores
-        logprobs[first - 1:end - 1] = lp[first - begin - 1:]
-        greedy[first - 1:end - 1] = gr[first - begin - 1:]
+        first = max(scored_to, begin + 1)
+        if first < end:  # (a one-token last window, after windows that do not overlap, scores nothing)
+            plan.append((begin, end, first))
         scored_to = end
         if end == L:
             break
+    logprobs, greedy = np.full(L - 1, np.nan), np.zeros(L - 1, bool)
+    per_pass = max(1, BATCH_ROWS // n)
+    for lo in range(0, len(plan), per_pass):
+        group = plan[lo: lo + per_pass]
+        for (begin, end, first), (lp, gr) in zip(group, _score_windows([ids[b:e] for b, e, _ in group], w)):
+            # lp[j]: token begin + j + 1 from position begin + j
+            logprobs[first - 1:end - 1] = lp[first - begin - 1:]
+            greedy[first - 1:end - 1] = gr[first - begin - 1:]
     return Score(logprobs, greedy)
 
 
@@ -148,13 +156,17 @@ def _targets(ids: np.ndarray) -> np.ndarray:
     return np.append(ids[1:], -1)
 
 
-def _score_windows(windows: list[np.ndarray], w: GPT2Weights) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each window from a fresh context, all in one forward pass: (logprobs, greedy) of its tokens 1..
+def _score_windows(windows: list[np.ndarray], w: GPT2Weights,
+                   targets: list[np.ndarray] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each window from a fresh context, all in one forward pass: (logprobs, greedy) of what it predicts.
 
-    windows: checked int64 ids, 2 <= len <= n_positions each.
+    windows: checked int64 ids, 1 <= len <= n_positions each. targets: for each window,
+    the id each position predicts (as long as the window); by default the window's own
+    next ids, so the last position predicts nothing and is left out of the result.
     """
     caches = [ModelCache(w.config, max_len=len(ids)) for ids in windows]
-    targets = np.concatenate([_targets(ids) for ids in windows])
+    own = targets is None
+    targets = np.concatenate([_targets(ids) for ids in windows] if own else targets)
     scale = w.scales["wte"] if w.scales else None
 
     def head(h, threads):
@@ -165,7 +177,7 @@ def _score_windows(windows: list[np.ndarray], w: GPT2Weights) -> list[tuple[np.n
     logprob, best = _forward(windows, w, caches, head, every_row=True)
     out, start = [], 0
     for ids in windows:
-        rows = slice(start, start + len(ids) - 1)  # the last row predicts nothing here
+        rows = slice(start, start + len(ids) - own)  # with its own targets, the last row predicts nothing
         out.append((logprob[rows], best[rows] == targets[rows]))
         start += len(ids)
     return out

@@ -67,7 +67,8 @@ def check_batch_rounds(plans, w, label, random, max_len=None):
     every cache holds exactly its own length in every layer, and nothing past it.
     """
     cfg = w.config
-    caches = [g.ModelCache(cfg, max_len=max_len or len(ids) + random.randint(0, 3)) for ids, _, _ in plans]
+    caches = [g.ModelCache(cfg, max_len=max_len or min(cfg.n_positions, len(ids) + random.randint(0, 3)))
+              for ids, _, _ in plans]
     for mc in caches:
         mc.k[...] = SENTINEL
         mc.v[...] = SENTINEL

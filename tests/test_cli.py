@@ -92,17 +92,22 @@ def test_generate_a_prompts_file(tmp_path):
     assert all(len(x["tokens"]) == 4 and x["text"] for x in records[0])
     r = run("generate", "--prompts-file", str(tmp_path / "p.jsonl"), "--max-new-tokens", "2", "--temperature", "0")
     assert r.returncode == 0 and [json.loads(line)["prompt"] for line in r.stdout.splitlines()] == ["Hello world", ""]
+    r = run("generate", "--prompts-file", str(tmp_path / "p.jsonl"), "--max-new-tokens", "0")
+    assert r.returncode == 0 and [json.loads(line)["text"] for line in r.stdout.splitlines()] == ["", ""]
 
 
 def test_bad_prompts_files_are_one_line(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": "b"}\n')
     (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "latin1.txt").write_bytes("fine\ncaf\u00e9\n".encode("latin-1"))
     for args, code, match in [
         (["--prompts-file", str(tmp_path / "bad.jsonl")], 1, "bad.jsonl, line 2: expected an object"),
         (["--prompts-file", str(tmp_path / "empty.txt")], 1, "no prompts"),
         (["--prompts-file", str(tmp_path / "missing.txt")], 1, "missing.txt"),
         (["Hi", "--prompts-file", str(tmp_path / "empty.txt")], 2, "not both"),
         (["Hi", "--batch-size", "2"], 2, "--batch-size goes with --prompts-file"),
+        (["--prompts-file", str(tmp_path / "bad.jsonl"), "--slide"], 2, "--slide goes with a single PROMPT"),
+        (["--prompts-file", str(tmp_path / "latin1.txt")], 1, "latin1.txt, line 2: bytes that are not UTF-8"),
     ]:
         r = run("generate", *args)
         assert r.returncode == code and match in r.stderr and "Traceback" not in r.stderr, r.stderr

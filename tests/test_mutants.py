@@ -72,7 +72,7 @@ def test_catches_mask_leaking_the_next_position(tiny, ids, monkeypatch):
         T = qkv.shape[0]
         for rows, start in ((slice(0, T - 1), pos0 + 1), (slice(T - 1, T), pos0 + T - 1)):  # no row past the last
             sub_row0 = np.array([0, len(range(T)[rows])])
-            plan = kernels._attention_plan(sub_row0, start, TINY.n_head, 2)
+            plan = kernels._attention_plan(sub_row0, start, TINY.n_head, scratch.shape[0])
             kernels._attend(qkv[rows], ks, vs, layer, sub_row0, start, *plan, out[rows], scratch)
     monkeypatch.setattr(forward, "_attend", leaky)
     with pytest.raises(CAUGHT):
@@ -117,6 +117,19 @@ def test_catches_attention_reading_another_sequences_cache(tiny, plans, monkeypa
         real(qkv, shift(ks), shift(vs), *rest)
     monkeypatch.setattr(forward, "_attend", neighbours)
     helpers.check_prefill(np.arange(9), tiny, "mutant")  # one sequence reads its own cache anyway
+    with pytest.raises(CAUGHT):
+        check_batch(plans, tiny)
+
+
+def test_catches_writes_into_another_sequences_cache(tiny, plans, monkeypatch):
+    real = forward._write_kv
+
+    def neighbours(qkv, ks, vs, *rest):  # sequence b's keys and values land in sequence b + 1's cache
+        def shift(caches):
+            return typed.List([caches[(b + 1) % len(caches)] for b in range(len(caches))])
+        real(qkv, shift(ks), shift(vs), *rest)
+    monkeypatch.setattr(forward, "_write_kv", neighbours)
+    helpers.check_prefill(np.arange(9), tiny, "mutant")  # one sequence writes its own cache anyway
     with pytest.raises(CAUGHT):
         check_batch(plans, tiny)
 

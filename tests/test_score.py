@@ -151,7 +151,10 @@ def test_empty_and_one_token_scores(tiny):
     (lambda w: g.score([1, 2.5], w), g.TokenTypeError, "sequence 0: "),
     (lambda w: g.score_batch([[1], [-1]], w), g.TokenError, "sequence 1: "),
     (lambda w: g.score_batch("text", w), g.BatchError, "sequences must be"),
-    (lambda w: g.score_text(b"bytes", w), g.ConfigError, "str"),
+    (lambda w: g.score_text(b"bytes", w), g.TokenTypeError, "str"),
+    (lambda w: g.score_text("text", w, tokenizer="gpt2"), g.ConfigError, "tokenizer must be a Tokenizer"),
+    (lambda w: g.score_batch([np.zeros((0, 3), np.int64)], w), g.TokenError, "sequence 0: .*1-D"),
+    (lambda w: g.score_batch(5, w), g.BatchError, "sequences must be a sequence"),
     (lambda w: g.score([1], None), g.ConfigError, "GPT2Weights"),
 ])
 def test_bad_score_arguments(tiny, call, error, match):
