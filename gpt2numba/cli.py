@@ -83,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     score.add_argument("--threads", type=_at_least(1), help="threads to use (default: the cores)")
     score.add_argument("--batch-size", type=_at_least(1), default=16, metavar="N",
                        help="documents scored together in one pass (default 16)")
+    score.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                       help="score on a Ray cluster with Ray Data: the address of an existing one, or none to "
+                       "start a local one (needs the [ray] extra; files with --lines or JSON lines)")
+    score.add_argument("--output", type=Path, metavar="DIR", help="with --ray: write the scored dataset to DIR")
+    score.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="with --output (default jsonl)")
 
     bench = commands.add_parser("bench", help="prefill and decode timings (profiling/bench.py)",
                                 description="Prefill and decode timings; see profiling/bench.py --help.",
@@ -264,6 +269,8 @@ def _score(args) -> int:
     from .scoring import score_batch
     from .tokenizer import load_tokenizer
 
+    if args.ray or args.output:
+        return _score_ray(args)
     w, path, _ = resolve_model(args.model, args.dtype)
     tokenizer = load_tokenizer(path)
     docs, failure = [], None
@@ -293,6 +300,46 @@ def _score(args) -> int:
           f"{seconds:.1f} s, {tokens / max(seconds, 1e-9):.0f} tokens/s", file=sys.stderr)
     if failure is not None:
         raise failure
+    return 0
+
+
+def _score_ray(args) -> int:
+    """gpt2numba score --ray: Ray Data reads the files, a pool of workers scores them (distributed.py)."""
+    if not args.ray:
+        raise GPT2NumbaError("--output goes with --ray")
+    if "-" in args.files or not args.files:
+        raise GPT2NumbaError("--ray reads files (on every node), not stdin")
+    jsonl = args.field is not None or all(name.endswith(".jsonl") for name in args.files)
+    if not jsonl and not args.lines:
+        raise GPT2NumbaError("--ray scores one document per line: give --lines, or JSON lines with --field")
+    try:
+        import ray
+    except ImportError:
+        raise GPT2NumbaError("--ray needs Ray Data: pip install 'gpt2numba[ray]'") from None
+    from .distributed import score_dataset
+
+    t0 = time.perf_counter()
+    ray.init(address=args.ray, include_dashboard=False, log_to_driver=False)  # "local": a new cluster here
+    try:
+        ds = ray.data.read_json(args.files) if jsonl else ray.data.read_text(args.files)
+        scored = score_dataset(ds, args.model, dtype=args.dtype, text_column=args.field or "text",
+                               stride=args.stride, threads_per_worker=args.threads,
+                               batch_size=args.batch_size).materialize()
+        if args.output:
+            (scored.write_parquet if args.format == "parquet" else scored.write_json)(str(args.output))
+        else:
+            for index, row in enumerate(scored.iter_rows()):
+                print(json.dumps({"index": index, "tokens": int(row["tokens"]), "nll": float(row["nll"]),
+                                  "perplexity": _finite(float(row["perplexity"])),
+                                  "bits_per_byte": _finite(float(row["bits_per_byte"]))}), flush=True)
+        docs, tokens, nll = scored.count(), scored.sum("tokens") or 0, scored.sum("nll") or 0.0
+    finally:
+        ray.shutdown()
+    seconds = time.perf_counter() - t0
+    print(f"gpt2numba: {docs} documents on Ray, {tokens} tokens scored, nll {nll:.1f} nats, perplexity "
+          f"{math.exp(nll / tokens) if tokens else float('nan'):.2f}; {seconds:.1f} s with the cluster's start, "
+          f"{tokens / max(seconds, 1e-9):.0f} tokens/s" + (f"; written to {args.output}" if args.output else ""),
+          file=sys.stderr)
     return 0
 
 

@@ -49,7 +49,7 @@ class Score:
     @property
     def nll(self) -> float:
         """Negative log-likelihood of the scored tokens, in nats (0.0 for none)."""
-        return float(-np.nansum(self.logprobs))
+        return float(-np.nansum(self.logprobs)) + 0.0  # (+ 0.0: no -0.0 for no tokens)
 
     @property
     def perplexity(self) -> float:

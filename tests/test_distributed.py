@@ -1,0 +1,80 @@
+"""Scoring on a local Ray cluster (2 CPUs) gives the numbers score() gives in-process."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gpt2numba as g
+from checkpoints import write_dir
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'gpt2numba[ray]')")
+
+CONFIG = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=64, vocab_size=50257)  # GPT-2's vocabulary
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "", "x",
+         "A longer document, scored in sliding windows. " * 12, "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ray") / "model"
+    w = g.random_weights(CONFIG, seed=4)
+    write_dir(w, path)
+    return path, w
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_score_command_on_ray(model, tmp_path):
+    """gpt2numba score --ray: a new local cluster (first: no other is running), JSON lines out or a directory."""
+    path, w = model
+    (tmp_path / "docs.txt").write_text("\n".join(t for t in TEXTS if t) + "\n")
+    base = [sys.executable, "-m", "gpt2numba", "score", "--model", str(path), "--lines", str(tmp_path / "docs.txt")]
+    local = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    on_ray = subprocess.run([*base, "--ray"], capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0 and on_ray.returncode == 0, on_ray.stderr[-2000:]
+    expected = [json.loads(line)["nll"] for line in local.stdout.splitlines()]
+    got = [json.loads(line)["nll"] for line in on_ray.stdout.splitlines()]
+    np.testing.assert_allclose(sorted(got), sorted(expected), rtol=1e-6)
+    assert "documents on Ray" in on_ray.stderr
+    written = subprocess.run([*base, "--ray", "--output", str(tmp_path / "out")], capture_output=True, text=True,
+                             timeout=300)
+    assert written.returncode == 0, written.stderr[-2000:]
+    rows = [json.loads(line) for f in (tmp_path / "out").iterdir() for line in f.read_text().splitlines()]
+    assert sorted(r["nll"] for r in rows) == pytest.approx(sorted(expected), rel=1e-6)
+    bad = subprocess.run([*base[:-2], str(tmp_path / "docs.txt"), "--ray"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "give --lines" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_score_dataset_equals_score_in_process(model, cluster):
+    from gpt2numba.distributed import score_dataset
+
+    path, w = model
+    tok = g.load_tokenizer()
+    ds = ray.data.from_items([{"text": t, "id": i} for i, t in enumerate(TEXTS)])
+    rows = sorted(score_dataset(ds, str(path), stride=24, batch_size=2).take_all(), key=lambda r: r["id"])
+    assert [r["text"] for r in rows] == TEXTS  # the input columns are kept
+    for row, text in zip(rows, TEXTS):
+        s = g.score(tok.encode(text), w, stride=24)
+        assert row["tokens"] == s.n_tokens
+        assert row["nll"] == pytest.approx(s.nll, rel=1e-6, abs=1e-9)
+        assert (math.isnan(row["perplexity"]) and s.n_tokens == 0) or row["perplexity"] == pytest.approx(s.perplexity, rel=1e-6)
+    assert rows[3]["tokens"] > CONFIG.n_positions  # several windows
+
+
+def test_score_dataset_checks_its_arguments(cluster):
+    from gpt2numba.distributed import score_dataset
+
+    ds = ray.data.from_items([{"text": "a"}])
+    for kwargs, match in [({"threads_per_worker": 0}, "threads_per_worker"), ({"stride": 0}, "stride"),
+                          ({"concurrency": 0}, "concurrency"), ({"batch_size": 0}, "batch_size")]:
+        with pytest.raises(g.ConfigError, match=match):
+            score_dataset(ds, None, **kwargs)
