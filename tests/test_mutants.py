@@ -108,28 +108,17 @@ def test_catches_a_write_past_the_prompt(tiny, ids, monkeypatch):
 
 # --- the batch path ---------------------------------------------------------------------------------
 
-def test_catches_attention_reading_another_sequences_cache(tiny, plans, monkeypatch):
-    real = forward._attend
+@pytest.mark.parametrize("kernel", ["_attend", "_write_kv"])
+def test_catches_a_sequence_using_another_sequences_cache(tiny, plans, monkeypatch, kernel):
+    """Attention that reads, or a cache write that lands in, sequence b + 1's cache instead of b's."""
+    real = getattr(forward, kernel)
 
-    def neighbours(qkv, ks, vs, *rest):  # sequence b reads the keys and values of sequence b + 1
+    def neighbours(qkv, ks, vs, *rest):
         def shift(caches):
             return typed.List([caches[(b + 1) % len(caches)] for b in range(len(caches))])
         real(qkv, shift(ks), shift(vs), *rest)
-    monkeypatch.setattr(forward, "_attend", neighbours)
-    helpers.check_prefill(np.arange(9), tiny, "mutant")  # one sequence reads its own cache anyway
-    with pytest.raises(CAUGHT):
-        check_batch(plans, tiny)
-
-
-def test_catches_writes_into_another_sequences_cache(tiny, plans, monkeypatch):
-    real = forward._write_kv
-
-    def neighbours(qkv, ks, vs, *rest):  # sequence b's keys and values land in sequence b + 1's cache
-        def shift(caches):
-            return typed.List([caches[(b + 1) % len(caches)] for b in range(len(caches))])
-        real(qkv, shift(ks), shift(vs), *rest)
-    monkeypatch.setattr(forward, "_write_kv", neighbours)
-    helpers.check_prefill(np.arange(9), tiny, "mutant")  # one sequence writes its own cache anyway
+    monkeypatch.setattr(forward, kernel, neighbours)
+    helpers.check_prefill(np.arange(9), tiny, "mutant")  # one sequence uses its own cache anyway
     with pytest.raises(CAUGHT):
         check_batch(plans, tiny)
 
