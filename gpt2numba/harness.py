@@ -25,7 +25,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from .errors import ConfigError
 from .forward import set_threads
 from .sample import generate_batch
-from .scoring import BATCH_ROWS, _score_windows
+from .scoring import _score_windows, passes
 from .tokenizer import load_tokenizer
 
 
@@ -74,15 +74,8 @@ class GPT2NumbaLM(TemplateLM):
         As the harness's HF backend: the last n_positions + 1 tokens of context + continuation, the
         model fed all but the last, the continuation's tokens scored from the positions before them.
         """
-        results, group, rows = [], [], 0
-        for item in [*requests, None]:  # None flushes the last group
-            if group and (item is None or rows + len(item[1]) + len(item[2]) > BATCH_ROWS):
-                results.extend(self._score_group(group))
-                group, rows = [], 0
-            if item is not None:
-                group.append(item)
-                rows += len(item[1]) + len(item[2])
-        return results
+        return [result for group in passes(requests, lambda item: len(item[1]) + len(item[2]))
+                for result in self._score_group(group)]
 
     def _score_group(self, group):
         seqs = [np.asarray((list(ctx) + list(cont))[-(self.max_length + 1):], np.int64) for _, ctx, cont in group]

@@ -96,15 +96,26 @@ def score_batch(sequences, w: GPT2Weights, *, stride: int | None = None,
             scores[i] = _windows(ids, w, stride)
         else:
             short.append((i, ids))
-    group: list[tuple[int, np.ndarray]] = []
-    for item in [*short, None]:  # None flushes the last group
-        if group and (item is None or sum(len(ids) for _, ids in group) + len(item[1]) > batch_rows):
-            for (i, _), result in zip(group, _score_windows([ids for _, ids in group], w)):
-                scores[i] = Score(*result)
-            group = []
-        if item is not None:
-            group.append(item)
+    for group in passes(short, lambda item: len(item[1]), batch_rows):
+        for (i, _), result in zip(group, _score_windows([ids for _, ids in group], w)):
+            scores[i] = Score(*result)
     return scores
+
+
+def passes(items: list, rows_of, budget: int = BATCH_ROWS):
+    """items in consecutive groups of at most ``budget`` rows (rows_of(item) each), one forward pass a group.
+
+    An item of more rows than the budget makes a group of its own.
+    """
+    group, rows = [], 0
+    for item in items:
+        if group and rows + rows_of(item) > budget:
+            yield group
+            group, rows = [], 0
+        group.append(item)
+        rows += rows_of(item)
+    if group:
+        yield group
 
 
 def score_text(text: str, w: GPT2Weights, tokenizer: Tokenizer | None = None, **options) -> Score:
@@ -141,9 +152,7 @@ def _windows(ids: np.ndarray, w: GPT2Weights, stride: int) -> Score:
         if end == L:
             break
     logprobs, greedy = np.full(L - 1, np.nan), np.zeros(L - 1, bool)
-    per_pass = max(1, BATCH_ROWS // n)
-    for lo in range(0, len(plan), per_pass):
-        group = plan[lo: lo + per_pass]
+    for group in passes(plan, lambda window: window[1] - window[0]):
         for (begin, end, first), (lp, gr) in zip(group, _score_windows([ids[b:e] for b, e, _ in group], w)):
             # lp[j]: token begin + j + 1 from position begin + j
             logprobs[first - 1:end - 1] = lp[first - begin - 1:]
