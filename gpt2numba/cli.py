@@ -89,19 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     score.add_argument("--output", type=Path, metavar="DIR", help="with --ray: write the scored dataset to DIR")
     score.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="with --output (default jsonl)")
 
-    bench = commands.add_parser("bench", help="prefill and decode timings (profiling/bench.py)",
-                                description="Prefill and decode timings; see profiling/bench.py --help.",
-                                add_help=False)
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    # bench has a parser of its own (gpt2numba.bench): everything after the word goes to it untouched
+    commands.add_parser("bench", help="the benchmark against transformers (gpt2numba bench --help)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
 
     args = parser.parse_args(argv)
     try:
         if getattr(args, "threads", None):
             forward.set_threads(args.threads)
-        if args.command == "bench":
-            from .bench import main as bench_main
-
-            return bench_main(args.rest)
         return {"generate": _generate, "check": _check, "score": _score}[args.command](args)
     except (GPT2NumbaError, OSError) as e:
         print(f"gpt2numba: error: {e}", file=sys.stderr)

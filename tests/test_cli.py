@@ -54,6 +54,14 @@ def test_help():
     assert "--top-p" in run("generate", "--help").stdout
 
 
+def test_bench_takes_the_benchmarks_own_options():
+    """Everything after "bench" reaches the benchmark's parser (which used to see none of it)."""
+    r = run("bench", "--help")
+    assert r.returncode == 0 and "--threads" in r.stdout and "--dtypes" in r.stdout
+    r = run("bench", "--threads", "2", "--no-such-option")
+    assert r.returncode == 2 and "gpt2numba bench: error: unrecognized arguments: --no-such-option" in r.stderr
+
+
 def test_generate_streams_text_and_a_summary():
     r = run("generate", "Hello world", "--max-new-tokens", "8", "--seed", "3", "--top-k", "40")
     assert r.returncode == 0, r.stderr
