@@ -50,7 +50,7 @@ def _as_float32(typingctx, bits):
     return types.float32(types.uint32), codegen
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _exp_inplace(z, bits):
     """z = exp(z) for float32 z (n,), in loops the compiler vectorises.
 
@@ -72,7 +72,7 @@ def _exp_inplace(z, bits):
         z[j] *= scale[j]
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _layernorm(x, g, b, eps, out):
     """out[i] = (x[i] - mean) / sqrt(var + eps) * g + b, biased variance.
 
@@ -94,7 +94,7 @@ def _layernorm(x, g, b, eps, out):
             out[i, j] = (x[i, j] - mean) * rstd * g[j] + b[j]
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _gelu(x):
     """In place: x = gelu(x), GPT-2's tanh form, 0.5 x (1 + tanh(c (x + 0.044715 x^3))).
 
@@ -114,7 +114,7 @@ def _gelu(x):
             row[j] = row[j] / (_ONE + e[j])
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _linear(x, w, b, scratch, out, accumulate, n_blocks, split_k):
     """out = x @ w + b, or out += x @ w + b when ``accumulate`` (a residual add).
 
@@ -163,7 +163,7 @@ def _linear(x, w, b, scratch, out, accumulate, n_blocks, split_k):
 HEAD_ROWS_MAX = 16
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _head_rows(wte, scale, h, out, n_blocks):
     """Tied output head for a few rows: out = h @ W.T, W = widen(wte) (* scale), read as stored.
 
@@ -181,7 +181,7 @@ def _head_rows(wte, scale, h, out, n_blocks):
             _head_dots(h, wte, scale, v, 1, out)
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _head_dots(h, wte, scale, v, n, out):
     """out[:, v:v+n] = h @ W[v:v+n].T for n = 4 vocabulary rows, or 1 (the last ones)."""
     R, C = h.shape
@@ -229,7 +229,7 @@ def _widen_typed(v):
     return lambda v: np.float32(v)
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _rows_update(x, t, u, k, w, scale, lo, hi, a, b):
     """a += x[t, k:k+8] @ W[k:k+8, lo:hi] and b += x[u, k:k+8] @ W[k:k+8, lo:hi], W = widen(w) * scale.
 
@@ -261,7 +261,7 @@ def _rows_update(x, t, u, k, w, scale, lo, hi, a, b):
 ROWS_MAX = 64
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _linear_rows(x, w, scale, b, scratch, out, accumulate, n_blocks):
     """out (+)= x @ W + b for a few rows, reading W as stored: float32, bfloat16 bits or int8.
 
@@ -288,7 +288,7 @@ def _linear_rows(x, w, scale, b, scratch, out, accumulate, n_blocks):
                 out[t, lo + j] = out[t, lo + j] + v if accumulate else v
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _head(wte, h, out, n_blocks):
     """Tied output head: out = h @ wte.T.
 
@@ -310,7 +310,7 @@ def _head(wte, h, out, n_blocks):
             _chunk_scores(h, wte[c0:], c0, min(hi, c0 + HEAD_CHUNK), scores, out)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _write_kv(qkv, ks, vs, row0, pos0, layer, written):
     """Copy the keys and values of every new row into one layer of its sequence's cache.
 
@@ -335,7 +335,7 @@ def _write_kv(qkv, ks, vs, row0, pos0, layer, written):
 ATTEND_TILE = 64
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _attention_plan(row0, pos0, n_head, n_blocks):
     """Attention's work as tiles, cut into n_blocks runs of about equal cost.
 
@@ -366,7 +366,7 @@ def _attention_plan(row0, pos0, n_head, n_blocks):
     return tiles, bounds
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch):
     """Causal attention of every new row over its own sequence's cache.
 
@@ -411,7 +411,7 @@ def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch):
                     out[first + i, h * D + d] = q[i, d]
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _stream_sum(a):
     """Sum of a 1-D float32 array, one contiguous block per thread: a read-bandwidth probe."""
     n = a.size
@@ -427,7 +427,7 @@ def _stream_sum(a):
 # buffer and multiplies with BLAS.
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _gemv_bf16(x, w, b, scratch, out, accumulate, n_blocks):
     """out (+)= x @ w + b for one token, w bfloat16.
 
@@ -448,7 +448,7 @@ def _gemv_bf16(x, w, b, scratch, out, accumulate, n_blocks):
     _reduce(partial, b, out, accumulate)
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _gemv_int8(x, q, scale, b, scratch, out, accumulate, n_blocks):
     """out (+)= x @ (q * scale) + b for one token, q int8 in groups of GROUP rows.
 
@@ -481,7 +481,7 @@ def _gemv_int8(x, q, scale, b, scratch, out, accumulate, n_blocks):
     _reduce(partial, b, out, accumulate)
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _reduce(partial, b, out, accumulate):
     """out[0] (+)= b + the sum of partial's rows. partial: (n_blocks, N)."""
     for j in range(out.shape[1]):
@@ -491,7 +491,7 @@ def _reduce(partial, b, out, accumulate):
         out[0, j] = out[0, j] + s if accumulate else s
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _head_bf16(wte, h, out, n_blocks):
     """out = h @ wte.T, wte bfloat16 (V, C) as uint16; h: (R, C); out: (R, V).
 
@@ -514,7 +514,7 @@ def _head_bf16(wte, h, out, n_blocks):
         _head_widened(wte, None, h, lo, hi, out)
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _head_int8(q, scale, h, out, n_blocks):
     """out = h @ (q * scale).T, q int8 (V, C) in groups of GROUP columns; scale: (V, C // GROUP);
     h: (R, C); out: (R, V). One row in registers, several through BLAS, as _head_bf16."""
@@ -537,7 +537,7 @@ def _head_int8(q, scale, h, out, n_blocks):
         _head_widened(q, scale, h, lo, hi, out)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _head_widened(wte, scale, h, lo, hi, out):
     """out[:, lo:hi] = h @ W[lo:hi].T for compact wte: HEAD_CHUNK rows at a time widened, then BLAS."""
     dense = np.empty((HEAD_CHUNK, wte.shape[1]), np.float32)
@@ -548,7 +548,7 @@ def _head_widened(wte, scale, h, lo, hi, out):
         _chunk_scores(h, dense, c0, c1, scores, out)
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _widen_rows(wte, scale, c0, c1, dense):
     """dense[:c1 - c0] = float32 values of wte rows c0..c1-1 (times their int8 scales if ``scale``).
 
@@ -564,7 +564,7 @@ def _widen_rows(wte, scale, c0, c1, dense):
                 dense[v - c0, c] = _widen(wte[v, c]) * scale[v, c // _GROUP]
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _head_log_softmax(wte, scale, h, targets, logprob, best, n_blocks):
     """log softmax(h @ W.T) at each row's target, and each row's argmax, with no (R, V) array.
 
@@ -621,7 +621,7 @@ def _head_log_softmax(wte, scale, h, targets, logprob, best, n_blocks):
         best[r] = arg[top, r]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _chunk_scores(h, dense, c0, c1, scores, out):
     """out[:, c0:c1] = h @ dense[:c1 - c0].T: one chunk of the head over several rows.
     h: (R, C); dense: (HEAD_CHUNK, C) widened wte rows; scores: flat scratch of R * HEAD_CHUNK."""
@@ -630,7 +630,7 @@ def _chunk_scores(h, dense, c0, c1, scores, out):
     out[:, c0:c1] = chunk
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _expand_bf16(w, out):
     """out = float32 values of bfloat16 w. w: uint16 (K, N); out: (K, N)."""
     K, N = w.shape
@@ -639,7 +639,7 @@ def _expand_bf16(w, out):
             out[k, j] = _as_float32(np.uint32(w[k, j]) << 16)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _expand_int8(q, scale, out):
     """out = q * scale, groups of GROUP rows. q: int8 (K, N); scale: (K // GROUP, N); out: (K, N)."""
     K, N = q.shape

@@ -11,7 +11,8 @@ import numpy as np
 
 from . import checks
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError, TokenTypeError
-from .forward import decode_step, prefill, prefill_batch
+from .batching import Batch, Sequence
+from .forward import decode_step, prefill
 from .kvcache import ModelCache
 from .tokenizer import EOT_ID, Tokenizer, load_tokenizer
 from .weights import GPT2Weights
@@ -182,33 +183,16 @@ def _batch_steps(prompts, w, *, max_new_tokens, temperature=1.0, top_k=None, top
 def _generate_batch(prompts, w, sampler, max_new_tokens, rngs, stop_at_eos, slots):
     if max_new_tokens == 0:
         return
-    max_len = max(len(ids) for ids in prompts) + max_new_tokens
-    caches = [ModelCache(w.config, max_len) for _ in range(slots)]
-    logits = np.empty((slots, w.config.vocab_size), np.float32)  # reused by every step
+    batch = Batch(w, slots)
     waiting = collections.deque(range(len(prompts)))
-    prompt_of: dict[int, int] = {}  # slot -> the index of the prompt it serves
-    ids: dict[int, list[int]] = {}  # slot -> that sequence's ids so far
-    feed: dict[int, list[int]] = {}  # slot -> ids to feed in the next pass
-    while waiting or feed:
-        for slot in range(slots):
-            if slot not in prompt_of and waiting:  # a free slot takes the next prompt
-                i = prompt_of[slot] = waiting.popleft()
-                caches[slot].reset()
-                ids[slot] = list(prompts[i])
-                feed[slot] = prompts[i]
-        order = list(feed)
-        rows = prefill_batch([feed[s] for s in order], w, [caches[s] for s in order], out=logits[: len(order)])
-        feed = {}
-        for slot, row in zip(order, rows):
-            i = prompt_of[slot]
-            token = sampler(row, ids[slot], rngs[i])
-            ids[slot].append(token)
-            done = (stop_at_eos and token == EOT_ID) or len(ids[slot]) - len(prompts[i]) == max_new_tokens
-            yield i, token, done
-            if done:
-                del prompt_of[slot]  # free for the next prompt
-            else:
-                feed[slot] = [token]
+    prompt_of: dict[Sequence, int] = {}  # sequence in flight -> the index of its prompt
+    while waiting or batch.sequences:
+        while waiting and not batch.full:  # a free slot takes the next prompt
+            i = waiting.popleft()
+            prompt_of[batch.add(prompts[i], max_new_tokens=max_new_tokens, sampler=sampler, rng=rngs[i],
+                                stop_at_eos=stop_at_eos)] = i
+        for seq, token, done, _ in batch.step():
+            yield prompt_of[seq], token, done
 
 
 def generate_text_batch(texts, w: GPT2Weights, tokenizer: Tokenizer | None = None, **options) -> list[str]:

@@ -131,9 +131,14 @@ def test_catches_positions_taken_from_the_batch_index(tiny, plans, monkeypatch):
         check_batch(plans, tiny)
 
 
-def test_catches_a_refill_that_keeps_the_slots_cache(tiny, monkeypatch):
-    monkeypatch.setattr(g.ModelCache, "reset", lambda self: None)
-    helpers.check_generate_batch(PROMPTS, tiny, batch_size=None)  # no slot is refilled: still right
+def test_catches_a_joining_sequence_fed_only_its_last_token(tiny, monkeypatch):
+    from gpt2numba import batching
+
+    def last_token_only(seq):  # the prompt's other tokens never reach the cache
+        seq.prompt_len, seq.feed = len(seq.ids), seq.ids[-1:]
+    helpers.check_generate_batch(PROMPTS[:1], tiny, batch_size=3)
+    monkeypatch.setattr(batching.Sequence, "__post_init__", last_token_only)
+    helpers.check_generate_batch([p[-1:] for p in PROMPTS], tiny, batch_size=3)  # one-token prompts: no difference
     with pytest.raises(CAUGHT):
         helpers.check_generate_batch(PROMPTS, tiny, batch_size=3)
 
