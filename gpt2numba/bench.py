@@ -59,6 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-transformers", action="store_true", help="only gpt2numba and the floors")
     p.add_argument("--no-processes", action="store_true", help="skip cold start and peak memory")
     p.add_argument("--json", type=Path, help="write every figure here")
+    scoring = p.add_argument_group("scoring", "gpt2numba bench --score runs this section alone (float32)")
+    scoring.add_argument("--score", action="store_true", help="the scoring benchmark instead of the above")
+    scoring.add_argument("--score-long", type=int, default=4096, metavar="TOKENS", help="the long document")
+    scoring.add_argument("--score-stride", type=int, default=512, help="its sliding windows' stride")
+    scoring.add_argument("--score-docs", type=int, default=200, metavar="N", help="short documents")
+    scoring.add_argument("--score-doc-tokens", type=int, nargs=2, default=[100, 300], metavar=("LOW", "HIGH"),
+                         help="their lengths, uniform in [LOW, HIGH]")
+    scoring.add_argument("--score-batch", type=int, default=16, help="transformers' documents per padded batch")
+    scoring.add_argument("--score-repeat", type=int, default=3, help="runs per workload (median)")
+    scoring.add_argument("--ray", action="store_true",
+                         help="also the short documents through Ray Data on a local cluster (the [ray] extra)")
     args = p.parse_args(argv)
 
     import gpt2numba as g
@@ -73,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
             g.save_weights(g.random_weights(g.GPT2Config.small(), seed=0), model_dir)
         w = g.load_weights(model_dir)
         report["model"] = str(args.model or "random GPT-2 small (seed 0)")
+        if args.score:
+            from . import bench_score
+
+            report.update(bench_score.run(args, model_dir, w))
+            bench_score.print_report(report)
+            return _write(report, args.json)
         stored = {dtype: w.astype(dtype) for dtype in dict.fromkeys(("float32", *args.dtypes))}
         report["floors"] = floors = _floors(stored, args)
         if set(args.dtypes) - {"float32"}:
@@ -100,9 +117,13 @@ def main(argv: list[str] | None = None) -> int:
             report["cold_start"] = _cold_start(model_dir, theirs is not None)
             report["peak_rss_mb"] = _peak_rss(model_dir, theirs is not None, w.config, args.dtypes)
     _print(report, floors)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nwrote {args.json}")
+    return _write(report, args.json)
+
+
+def _write(report, path):
+    if path:
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {path}")
     return 0
 
 
@@ -141,6 +162,17 @@ class _Ours:
     def decode_batch(self, tokens):
         return self.g.decode_batch(tokens, self.w, self.caches)  # (B, vocab)
 
+    def score_long(self, job):
+        """One long document in sliding windows: (tokens scored, [nll])."""
+        ids, stride = job
+        s = self.g.score(ids, self.w, stride=stride)
+        return s.n_tokens, [s.nll]
+
+    def score_docs(self, docs):
+        """Many short documents: (tokens scored, nll per document)."""
+        scores = self.g.score_batch(docs, self.w)
+        return sum(s.n_tokens for s in scores), [s.nll for s in scores]
+
 
 class _Theirs:
     name = "transformers"
@@ -169,6 +201,50 @@ class _Theirs:
                                   do_sample=False, use_cache=True, max_new_tokens=new_tokens,
                                   min_new_tokens=new_tokens, pad_token_id=0, streamer=clock)
         return {"tokens": out[:, ids.shape[1]:].tolist(), "put_s": clock.times}
+
+    def score_long(self, job):
+        """Hugging Face's guide "Perplexity of fixed-length models": model(input_ids, labels=...) per window,
+        labels -100 on the tokens an earlier window scored. Returns (tokens scored, [nll])."""
+        torch = self.torch
+        ids, stride = job
+        ids = torch.as_tensor(np.asarray(ids))[None]  # (1, L)
+        L, n = ids.shape[1], self.model.config.n_positions
+        nll, count, prev_end = 0.0, 0, 0
+        with torch.inference_mode():
+            for begin in range(0, L, stride):
+                end = min(begin + n, L)
+                input_ids = ids[:, begin:end]
+                labels = input_ids.clone()
+                labels[:, :-(end - prev_end)] = -100
+                loss = self.model(input_ids, labels=labels).loss  # the mean over the shifted valid labels
+                scored = int((labels[:, 1:] != -100).sum())
+                nll, count, prev_end = nll + float(loss) * scored, count + scored, end
+                if end == L:
+                    break
+        return count, [nll]
+
+    def score_docs(self, job):
+        """Short documents in padded batches with an attention mask, sorted by length (less padding), as
+        evaluation code does. Per-document NLLs need per-token losses, so the logits are scored with
+        cross_entropy(reduction="none"), the same work as labels=. Returns (tokens scored, nll per document)."""
+        torch = self.torch
+        docs, batch = job
+        order = sorted(range(len(docs)), key=lambda i: len(docs[i]))
+        nlls = [0.0] * len(docs)
+        with torch.inference_mode():
+            for start in range(0, len(docs), batch):
+                group = order[start:start + batch]
+                T = max(len(docs[i]) for i in group)
+                ids = torch.zeros((len(group), T), dtype=torch.long)  # (B, T), right-padded: positions stay 0..
+                labels = torch.full((len(group), T), -100, dtype=torch.long)  # (B, T), -100 on padding
+                for b, i in enumerate(group):
+                    ids[b, :len(docs[i])] = labels[b, :len(docs[i])] = torch.as_tensor(docs[i])
+                logits = self.model(ids, attention_mask=(labels != -100).long()).logits  # (B, T, vocab)
+                losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:],
+                                                           reduction="none")  # (B, T - 1), 0 on padding
+                for b, i in enumerate(group):
+                    nlls[i] = float(losses[b].sum())
+        return sum(len(d) - 1 for d in docs), nlls
 
 
 class _Clock:

@@ -57,7 +57,7 @@ def test_help():
 def test_bench_takes_the_benchmarks_own_options():
     """Everything after "bench" reaches the benchmark's parser (which used to see none of it)."""
     r = run("bench", "--help")
-    assert r.returncode == 0 and "--threads" in r.stdout and "--dtypes" in r.stdout
+    assert r.returncode == 0 and "--threads" in r.stdout and "--score-stride" in r.stdout
     r = run("bench", "--threads", "2", "--no-such-option")
     assert r.returncode == 2 and "gpt2numba bench: error: unrecognized arguments: --no-such-option" in r.stderr
 

@@ -32,6 +32,32 @@ def test_bench_script(tmp_path):
     assert "prefill" in r.stdout and "decode floor" in r.stdout
 
 
+def test_bench_score(tmp_path):
+    """The scoring section through the CLI, on a tiny model with GPT-2's vocabulary (the Ray part decodes and
+    re-encodes text); transformers where installed."""
+    config = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=64, vocab_size=50257)
+    write_dir(g.random_weights(config, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "score.json"
+    r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--score", "--model", str(tmp_path / "ckpt"),
+                        "--threads", "1", "--score-long", "150", "--score-stride", "32", "--score-docs", "6",
+                        "--score-doc-tokens", "10", "40", "--score-repeat", "2", "--ray", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["threads"] == 1
+    ours = report["long"]["gpt2numba"]
+    assert ours["scored"] == 149 and ours["n"] == 2 and ours["tok_s"] > 0
+    assert 6 * 9 <= report["docs"]["gpt2numba"]["scored"] <= 6 * 39  # 6 documents of 10-40 tokens
+    assert report["head"]["head_gflop"] > 0 and report["peak_rss_mb"]["gpt2numba"] > 0
+    assert report["ray"]["max_rel_nll_diff"] < 1e-6 and report["ray"]["documents"] == 6
+    if report["transformers"]:
+        for workload in ("long", "docs"):
+            assert report[workload]["same_tokens_scored"] and report[workload]["max_rel_nll_diff"] < 1e-4
+    else:
+        print("transformers is not installed: the comparison was skipped (pip install 'gpt2numba[bench]')")
+    assert "tok/s" in r.stdout and "Ray Data" in r.stdout
+
+
 def test_profile_step_script(tmp_path):
     write_dir(g.random_weights(TINY, seed=0), tmp_path)
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "profile_step.py"), "--model", str(tmp_path),

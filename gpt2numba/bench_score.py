@@ -1,0 +1,211 @@
+"""The scoring benchmark (gpt2numba bench --score): tokens/s of score and score_batch against transformers.
+
+Two workloads on the same random weights, float32 both sides: one long document in
+sliding windows (Hugging Face's guide, model(input_ids, labels=...) per window) and
+many short documents (transformers: padded batches with an attention mask). The
+systems alternate run by run in their own processes, as in the rest of the
+benchmark. Also: what the head costs against the blocks, peak memory, and with
+--ray the overhead of the same short documents through Ray Data on a local cluster.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .bench import _PEAK_RSS, _Load, _name, _pct, _prefill_flops, _progress, _Remote, _run, _stats, wait_for_idle
+
+
+def run(args, model_dir, w) -> dict:
+    """The scoring section's figures: {"long", "docs", "head", "peak_rss_mb", "ray"} (some may be absent)."""
+    cfg = w.config
+    low, high = args.score_doc_tokens
+    if not 2 <= low <= high <= cfg.n_positions:
+        raise SystemExit(f"--score-doc-tokens must be 2 <= LOW <= HIGH <= {cfg.n_positions} (n_positions): "
+                         "transformers scores a short document in one window")
+    if not 1 <= args.score_stride <= cfg.n_positions:
+        raise SystemExit(f"--score-stride must be in [1, {cfg.n_positions}] (n_positions)")
+    rng = np.random.default_rng(6)
+    long_ids = rng.integers(0, cfg.vocab_size, args.score_long)
+    docs = [rng.integers(0, cfg.vocab_size, n) for n in rng.integers(low, high + 1, args.score_docs)]
+    report = {"long": {"tokens": args.score_long, "stride": args.score_stride},
+              "docs": {"documents": len(docs), "doc_tokens": [low, high], "transformers_batch": args.score_batch}}
+
+    ours = _Remote("float32", model_dir, args.threads)
+    theirs = None if args.no_transformers else _Remote("transformers", model_dir, args.threads)
+    if theirs and theirs.version is None:
+        theirs.close()
+        theirs = None
+    report["transformers"] = theirs.version if theirs else None
+    systems = [ours, *([theirs] if theirs else [])]
+    try:
+        jobs = {"long": ("score_long", {ours.name: (long_ids, args.score_stride)}),
+                "docs": ("score_docs", {ours.name: docs})}
+        if theirs:
+            jobs["long"][1]["transformers"] = (long_ids, args.score_stride)
+            jobs["docs"][1]["transformers"] = (docs, args.score_batch)
+        for section, (method, job) in _progress(jobs.items(), "scoring"):
+            report[section].update(_alternate(systems, method, job, args.score_repeat))
+        report["head"] = _head_cost(ours, w, args)
+    finally:
+        for remote in systems:
+            remote.close()
+    if not args.no_processes:
+        report["peak_rss_mb"] = _peak_rss(model_dir, args, theirs is not None)
+    if args.ray:
+        report["ray"] = _ray_overhead(model_dir, w, docs, args)
+    return report
+
+
+def _alternate(systems, method, job, repeat):
+    """Each system's tokens/s at method(job), runs alternating; and how far their NLLs are apart."""
+    first = {s.name: s.call(method, job[s.name])[1] for s in systems}  # warm-up: (tokens, nlls)
+    times = {s.name: [] for s in systems}
+    wait_for_idle()
+    with _Load(*(s.process.pid for s in systems)) as load:
+        for _ in range(repeat):
+            for s in systems:
+                times[s.name].append(s.call(method, job[s.name])[0])
+    result = {"others_cpu": load.share}
+    for s in systems:
+        tokens, nlls = first[s.name]
+        result[s.name] = {**_stats(times[s.name]), "scored": tokens, "nll": float(sum(nlls))}
+        result[s.name]["tok_s"] = 1e3 * tokens / result[s.name]["median_ms"]
+    if "transformers" in first:
+        ours, theirs = (np.array(first[name][1]) for name in (_name("float32"), "transformers"))
+        result["same_tokens_scored"] = first["transformers"][0] == first[_name("float32")][0]
+        result["max_rel_nll_diff"] = float(np.max(np.abs(ours - theirs) / np.abs(theirs)))
+    return result
+
+
+def _head_cost(ours, w, args):
+    """One full window: prefill (the head on the last row only) against score (the fused log-softmax on every
+    row). The difference is what the head costs; beside it, the head's share of the multiply-adds."""
+    cfg = w.config
+    T = cfg.n_positions
+    ids = np.random.default_rng(8).integers(0, cfg.vocab_size, T)
+    ours.call("score_long", (ids, T))
+    times = {"blocks": [], "scoring": []}
+    wait_for_idle()
+    for _ in range(args.score_repeat):
+        times["blocks"].append(ours.call("prefill", ids)[0])
+        times["scoring"].append(ours.call("score_long", (ids, T))[0])
+    head_flops = 2 * T * cfg.n_embd * cfg.vocab_size
+    blocks_flops = _prefill_flops(cfg, T) - 2 * cfg.n_embd * cfg.vocab_size  # without prefill's one head row
+    blocks, scoring = (float(np.median(t)) for t in times.values())
+    return {"window": T, "blocks_ms": 1e3 * blocks, "head_ms": 1e3 * (scoring - blocks),
+            "head_gflop": head_flops / 1e9, "blocks_gflop": blocks_flops / 1e9}
+
+
+_OURS_SCORE_RSS = """
+import sys, numpy as np, gpt2numba as g
+w = g.load_weights(sys.argv[1])
+rng = np.random.default_rng(6)
+long_ids = rng.integers(0, w.config.vocab_size, int(sys.argv[2]))
+low, high, n = map(int, sys.argv[4:7])
+docs = [rng.integers(0, w.config.vocab_size, k) for k in rng.integers(low, high + 1, n)]
+g.score(long_ids, w, stride=int(sys.argv[3]))
+g.score_batch(docs, w)
+print(peak_rss_mb())
+"""
+_THEIRS_SCORE_RSS = """
+import sys, numpy as np
+from gpt2numba.bench import _transformers
+m = _transformers(sys.argv[1], 2)
+rng = np.random.default_rng(6)
+long_ids = rng.integers(0, m.model.config.vocab_size, int(sys.argv[2]))
+low, high, n = map(int, sys.argv[4:7])
+docs = [rng.integers(0, m.model.config.vocab_size, k) for k in rng.integers(low, high + 1, n)]
+m.score_long((long_ids, int(sys.argv[3])))
+m.score_docs((docs, int(sys.argv[7])))
+print(peak_rss_mb())
+"""
+
+
+def _peak_rss(model_dir, args, with_theirs):
+    """Peak RSS (MB) of a new process that scores both workloads."""
+    extra = [str(v) for v in (args.score_long, args.score_stride, *args.score_doc_tokens, args.score_docs,
+                              args.score_batch)]
+    result = {_name("float32"): _run(_PEAK_RSS + _OURS_SCORE_RSS, model_dir, None, *extra)}
+    if with_theirs:
+        result["transformers"] = _run(_PEAK_RSS + _THEIRS_SCORE_RSS, model_dir, None, *extra)
+    return result
+
+
+def _ray_overhead(model_dir, w, docs, args):
+    """The short documents as text, scored in this process and through Ray Data on a new local cluster of
+    --threads CPUs (one worker of --threads threads: the same cores), the cluster's start apart."""
+    import ray
+
+    from .distributed import score_dataset
+    from .scoring import score_batch
+    from .tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    texts = [tokenizer.decode(ids) for ids in docs]
+    score_batch([tokenizer.encode(texts[0])], w)  # warm-up: Numba's cache loads on the first call
+    wait_for_idle()
+    t = time.perf_counter()
+    in_process = score_batch([tokenizer.encode(text) for text in texts], w)
+    in_process_s = time.perf_counter() - t
+
+    t = time.perf_counter()
+    ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False)
+    try:
+        start_s = time.perf_counter() - t
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        runs = {}
+        # all documents twice (the first starts Ray's worker processes), then one document: what a job
+        # pays whatever its size (scheduling, and a worker that imports gpt2numba and loads the weights)
+        for label, items in (("first", texts), ("all", texts), ("one", texts[:1])):
+            ds = ray.data.from_items([{"text": text} for text in items])
+            t = time.perf_counter()
+            rows = score_dataset(ds, str(model_dir), threads_per_worker=args.threads, concurrency=1).take_all()
+            runs[label] = time.perf_counter() - t
+            if label == "all":
+                nll = {row["text"]: row["nll"] for row in rows}
+    finally:
+        ray.shutdown()
+    return {"documents": len(texts), "tokens": sum(s.n_tokens for s in in_process), "in_process_s": in_process_s,
+            "cluster_start_s": start_s, "first_run_s": runs["first"], "one_document_s": runs["one"],
+            "ray_s": runs["all"],
+            "max_rel_nll_diff": max(abs(nll[text] - s.nll) / abs(s.nll) for text, s in zip(texts, in_process))}
+
+
+def print_report(r):
+    theirs = r["transformers"]
+    print(f"\ngpt2numba bench --score: {r['model']}, {r['threads']} threads, float32"
+          + (f"; against {theirs}" if theirs else ""))
+    long, docs = r["long"], r["docs"]
+    print(f"\n{'workload':<34} {'system':<13} {'median s':>8} {'tok/s':>7} {'vs transformers':>15} "
+          f"{'min-max s':>13} {'others':>6}")
+    for label, row in ((f"1 x {long['tokens']} tokens, stride {long['stride']}", long),
+                       (f"{docs['documents']} docs of {docs['doc_tokens'][0]}-{docs['doc_tokens'][1]} tokens", docs)):
+        ours = row[_name("float32")]
+        for name, o in ((name, o) for name, o in row.items() if isinstance(o, dict)):
+            versus = f"{o['tok_s'] / row['transformers']['tok_s']:.2f}x" if "transformers" in row else ""
+            print(f"{label:<34} {name:<13} {o['median_ms'] / 1e3:>8.2f} {o['tok_s']:>7.0f} "
+                  f"{versus if o is ours else '':>15} {o['min_ms'] / 1e3:>6.2f}-{o['max_ms'] / 1e3:<6.2f} "
+                  f"{_pct(row['others_cpu']):>6}")
+            label = ""
+        if "max_rel_nll_diff" in row:
+            print(f"{'':<35}tokens scored: {ours['scored']} both"
+                  if row["same_tokens_scored"] else f"{'':<35}tokens scored DIFFER", end="; ")
+            print(f"max relative |NLL difference| {row['max_rel_nll_diff']:.1e}")
+    print(f"(transformers batches {docs['transformers_batch']} documents, sorted by length, right-padded)")
+    h = r["head"]
+    share = h["head_gflop"] / (h["head_gflop"] + h["blocks_gflop"])
+    print(f"\nhead, one window of {h['window']} tokens: {h['head_ms']:.0f} ms of {h['head_ms'] + h['blocks_ms']:.0f} "
+          f"({h['head_ms'] / (h['head_ms'] + h['blocks_ms']):.0%}); {h['head_gflop']:.0f} of "
+          f"{h['head_gflop'] + h['blocks_gflop']:.0f} GFLOP ({share:.0%}); blocks {h['blocks_ms']:.0f} ms")
+    if r.get("peak_rss_mb"):
+        print("peak RSS, both workloads in a new process: "
+              + ", ".join(f"{k} {v:.0f} MB" for k, v in r["peak_rss_mb"].items()))
+    if "ray" in r:
+        y = r["ray"]
+        print(f"\nRay Data, local cluster of {r['threads']} CPUs, one worker of {r['threads']} threads, "
+              f"{y['documents']} documents as text ({y['tokens']} tokens): in-process {y['in_process_s']:.2f} s, "
+              f"Ray {y['ray_s']:.2f} s ({y['ray_s'] / y['in_process_s']:.2f}x; the first job {y['first_run_s']:.2f} s); "
+              f"a job of one document takes {y['one_document_s']:.2f} s (the worker's start); the cluster's start "
+              f"{y['cluster_start_s']:.1f} s; max relative |NLL difference| {y['max_rel_nll_diff']:.1e}")
