@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from . import forward
-from .errors import GPT2NumbaError
+from .errors import ConfigError, GPT2NumbaError
 from .forward import decode_batch, decode_step, prefill, prefill_batch
 from .kvcache import ModelCache
 from .oracle import recompute_logits
@@ -33,7 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     dtype_help = ("how the matrices are kept: float32 (default), bfloat16 (half the bytes) or int8 "
                   "(a quarter, one scale per 32 weights); decode is about that much faster")
 
-    gen = commands.add_parser("generate", help="continue a prompt, streaming text as it is produced",
+    weights = argparse.ArgumentParser(add_help=False)  # what every command that runs the model takes
+    weights.add_argument("--model", help=model_help)
+    weights.add_argument("--dtype", default="float32", choices=DTYPES, help=dtype_help)
+    weights.add_argument("--threads", type=_at_least(1), help="threads to use (default: the cores)")
+
+    gen = commands.add_parser("generate", parents=[weights],
+                              help="continue a prompt, streaming text as it is produced",
                               description="Continue PROMPT, printing text as it is produced; "
                               "a one-line summary goes to stderr.")
     gen.add_argument("prompt", metavar="PROMPT", nargs="?", help="the text to continue (or --prompts-file)")
@@ -42,9 +48,6 @@ def main(argv: list[str] | None = None) -> int:
                      "field ('-' reads stdin); writes one JSON line per prompt as it finishes")
     gen.add_argument("--batch-size", type=_at_least(1), metavar="N",
                      help="with --prompts-file: sequences in flight at once (default: all)")
-    gen.add_argument("--model", help=model_help)
-    gen.add_argument("--dtype", default="float32", choices=DTYPES, help=dtype_help)
-    gen.add_argument("--threads", type=_at_least(1), help="threads to use (default: the cores)")
     gen.add_argument("--max-new-tokens", type=_at_least(0), default=50, metavar="N", help="default 50")
     gen.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 is greedy (default 1.0)")
     gen.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens")
@@ -56,19 +59,17 @@ def main(argv: list[str] | None = None) -> int:
                      help="at the end of the context, drop the oldest tokens and go on")
 
     check = commands.add_parser(
-        "check", help="prefill random prompts, decode greedily, compare every logit with the float64 oracle",
+        "check", parents=[weights],
+        help="prefill random prompts, decode greedily, compare every logit with the float64 oracle",
         description="Prefill random prompts, decode greedily, and compare every step's logits with "
         "the float64 oracle. Exits 1 on a mismatch.")
-    check.add_argument("--model", help=model_help)
-    check.add_argument("--dtype", default="float32", choices=DTYPES, help=dtype_help)
-    check.add_argument("--threads", type=_at_least(1), help="threads to use (default: the cores)")
     check.add_argument("--prompts", type=_at_least(1), default=3, help="random prompts to try (default 3)")
     check.add_argument("--prompt-len", type=_at_least(1), default=64, help="tokens per prompt (default 64)")
     check.add_argument("--decode", type=_at_least(0), default=8, help="greedy steps after each prefill (default 8)")
     check.add_argument("--seed", type=_at_least(0), default=0, help="seed of the random prompts")
 
     score = commands.add_parser(
-        "score", help="log-likelihood and perplexity of documents, one JSON line each",
+        "score", parents=[weights], help="log-likelihood and perplexity of documents, one JSON line each",
         description="Score documents: every token's log-probability given those before it (sliding windows "
         "past the context). Writes one JSON line per document: source, index, tokens (scored), nll (nats), "
         "perplexity, bits_per_byte; corpus totals and a progress bar go to stderr.")
@@ -78,9 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     score.add_argument("--field", metavar="NAME",
                        help="the files are JSON lines with the text in NAME (default for .jsonl files: text)")
     score.add_argument("--stride", type=_at_least(1), help="sliding-window stride (default n_positions // 2)")
-    score.add_argument("--model", help=model_help)
-    score.add_argument("--dtype", default="float32", choices=DTYPES, help=dtype_help)
-    score.add_argument("--threads", type=_at_least(1), help="threads to use (default: the cores)")
     score.add_argument("--batch-size", type=_at_least(1), default=16, metavar="N",
                        help="documents scored together in one pass (default 16)")
     score.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
@@ -88,6 +86,21 @@ def main(argv: list[str] | None = None) -> int:
                        "start a local one (needs the [ray] extra; files with --lines or JSON lines)")
     score.add_argument("--output", type=Path, metavar="DIR", help="with --ray: write the scored dataset to DIR")
     score.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="with --output (default jsonl)")
+
+    serve = commands.add_parser(
+        "serve", parents=[weights],
+        help="an OpenAI-compatible HTTP server with continuous batching (the [serve] extra)",
+        description="Serve the model over HTTP, speaking OpenAI's completions API (/v1/completions, "
+        "/v1/models) plus /health, /tokenize and /detokenize. Requests share decode steps.")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=_at_least(0), default=8000, help="default 8000")
+    serve.add_argument("--max-batch", type=_at_least(1), default=16, metavar="N",
+                       help="sequences in flight at once (default 16)")
+    serve.add_argument("--max-queue", type=_at_least(1), default=64, metavar="N",
+                       help="requests waiting beyond those; more get 503 (default 64)")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help="require Authorization: Bearer KEY (default: $GPT2NUMBA_API_KEY, else none)")
+    serve.add_argument("--model-name", metavar="NAME", help="the id in /v1/models (default: the checkpoint's name)")
 
     # bench has a parser of its own (gpt2numba.bench): everything after the word goes to it untouched
     commands.add_parser("bench", help="the benchmark against transformers (gpt2numba bench --help)")
@@ -101,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "threads", None):
             forward.set_threads(args.threads)
-        return {"generate": _generate, "check": _check, "score": _score}[args.command](args)
+        return {"generate": _generate, "check": _check, "score": _score, "serve": _serve}[args.command](args)
     except (GPT2NumbaError, OSError) as e:
         print(f"gpt2numba: error: {e}", file=sys.stderr)
         return 1
@@ -258,6 +271,22 @@ def _utf8(data: bytes, source: str, line: int) -> str:
     except UnicodeDecodeError as e:
         at = line + data[: e.start].count(b"\n")
         raise GPT2NumbaError(f"{source}, line {at}: bytes that are not UTF-8 ({e.reason})") from None
+
+
+def _serve(args) -> int:
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"serve needs the [serve] extra (pip install 'gpt2numba[serve]'): {e}") from None
+    from .serve import run
+    from .tokenizer import load_tokenizer
+
+    w, path, _ = resolve_model(args.model, args.dtype)
+    name = args.model_name or (Path(args.model).name.removesuffix(".safetensors") if args.model else "gpt2")
+    run(w, load_tokenizer(path), host=args.host, port=args.port, model_name=name, max_batch=args.max_batch,
+        max_queue=args.max_queue, api_key=args.api_key or os.environ.get("GPT2NUMBA_API_KEY"))
+    return 0
 
 
 def _score(args) -> int:

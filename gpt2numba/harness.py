@@ -35,12 +35,14 @@ class GPT2NumbaLM(TemplateLM):
 
     model: a checkpoint directory, .safetensors file or hub name (default: $GPT2NUMBA_WEIGHTS, else
     random GPT-2 small); dtype: float32, bfloat16 or int8; threads; batch_size: sequences generated
-    together; max_gen_toks: the default cap of generate_until (256, or half a shorter context). The harness's device and
+    together; max_gen_toks: the default cap of generate_until (256, or half a shorter context); max_length:
+    the context the harness may use (default n_positions; as the HF backend's argument). The harness's device and
     max_batch_size arguments mean nothing on this CPU engine and are ignored.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "float32", threads: int | None = None,
-                 batch_size: int | str = 16, max_gen_toks: int | None = None, device=None, max_batch_size=None):
+                 batch_size: int | str = 16, max_gen_toks: int | None = None, max_length: int | None = None,
+                 device=None, max_batch_size=None):
         super().__init__()
         from .cli import resolve_model
 
@@ -48,6 +50,10 @@ class GPT2NumbaLM(TemplateLM):
             set_threads(int(threads))
         self.w, path, self.source = resolve_model(model, dtype)
         self.tokenizer = load_tokenizer(path)
+        n_positions = self.w.config.n_positions
+        self._max_length = n_positions if max_length is None else int(max_length)
+        if not 2 <= self._max_length <= n_positions:
+            raise ConfigError(f"max_length must be in [2, {n_positions}] (n_positions), got {max_length!r}")
         self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
         # the HF backend's default, 256, as far as the context leaves room for a prompt
         self.max_gen_toks = min(256, self.max_length // 2) if max_gen_toks is None else int(max_gen_toks)
@@ -60,7 +66,7 @@ class GPT2NumbaLM(TemplateLM):
 
     @property
     def max_length(self) -> int:
-        return self.w.config.n_positions
+        return self._max_length
 
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
         return self.tokenizer.encode(string)

@@ -121,6 +121,16 @@ def test_generate_until(evaluated):
         assert got[d["prompt"]] == tok.decode(tokens).split("\n")[0].split(".")[0]
 
 
+def test_max_length_is_checked(tmp_path):
+    from gpt2numba.harness import GPT2NumbaLM
+
+    write_dir(g.random_weights(CONFIG, seed=4), tmp_path)
+    assert GPT2NumbaLM(model=str(tmp_path), max_length=40).max_length == 40
+    for bad in (1, CONFIG.n_positions + 1):
+        with pytest.raises(g.ConfigError, match="max_length must be in"):
+            GPT2NumbaLM(model=str(tmp_path), max_length=bad)
+
+
 def test_the_harness_command_line(tmp_path):
     """python -m gpt2numba.harness takes lm_eval's own arguments."""
     import subprocess

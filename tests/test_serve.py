@@ -1,0 +1,363 @@
+"""The HTTP server as its clients see it: a subprocess on a free port, the official openai client."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpt2numba as g
+from checkpoints import write_dir
+
+openai = pytest.importorskip("openai", reason="the server's tests need the openai client (the test extra)")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette", reason="the server needs the [serve] extra")
+
+CONFIG = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=128, vocab_size=50257)
+KEY = "sk-test"
+MAX_BATCH, MAX_QUEUE = 8, 16
+
+
+class Server:
+    def __init__(self, tmp: Path, *extra):
+        self.model = tmp / "model"
+        if not self.model.exists():
+            write_dir(g.random_weights(CONFIG, seed=5), self.model)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tmp / f"server-{port}.log"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gpt2numba", "serve", "--model", str(self.model), "--port", str(port),
+             "--threads", "2", "--api-key", KEY, *extra],
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        else:
+            raise AssertionError(f"the server did not start: {self.log.read_text()}")
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0)
+
+    def post(self, path, body=None, content=None, key=KEY):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(f"{self.url}{path}", json=body, content=content, headers=headers, timeout=60)
+
+    def rss_mb(self) -> float:
+        for line in open(f"/proc/{self.process.pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    def stop(self, timeout=30) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve"), "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def local(server):
+    """The same model in this process: weights and tokenizer."""
+    return g.load_weights(server.model), g.load_tokenizer(server.model)
+
+
+def greedy_tokens(local, ids, n):
+    w, _ = local
+    return list(g.generate(ids, w, max_new_tokens=n, temperature=0))
+
+
+def text_of(local, tokens):
+    _, tok = local
+    return tok.decode([t for t in tokens if t != tok.eot_id])
+
+
+def log_softmax(z):
+    z = np.asarray(z, np.float64)
+    return z - z.max() - np.log(np.exp(z - z.max()).sum())
+
+
+def test_greedy_completion_equals_generate(server, local):
+    _, tok = local
+    r = server.client.completions.create(model="gpt2", prompt="The meaning of life is", max_tokens=12,
+                                         temperature=0)
+    tokens = greedy_tokens(local, tok.encode("The meaning of life is"), 12)
+    assert r.choices[0].text == text_of(local, tokens)
+    assert r.choices[0].finish_reason == ("stop" if tok.eot_id in tokens else "length")
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == len(tokens)
+    assert r.object == "text_completion" and r.model == "model"
+
+
+def test_token_id_prompts_and_several_prompts(server, local):
+    ids = [[464, 3290, 286], [15496, 11, 995, 0, 314]]
+    r = server.client.completions.create(model="gpt2", prompt=ids, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:  # choice i is prompt i // n
+        assert c.text == text_of(local, greedy_tokens(local, ids[c.index // 2], 6))
+
+
+def test_stream_concatenates_to_the_whole(server):
+    kw = dict(model="gpt2", prompt="Once upon a time", max_tokens=20, temperature=0.8, seed=7)
+    whole = server.client.completions.create(**kw).choices[0]
+    chunks = list(server.client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.finish_reason
+    assert chunks[-1].usage.completion_tokens >= 1 and not chunks[-1].choices
+
+
+def test_seed_makes_n_choices_reproducible(server):
+    kw = dict(model="gpt2", prompt="A", max_tokens=10, n=2, temperature=1.0, seed=3)
+    first, again = (server.client.completions.create(**kw) for _ in range(2))
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert first.choices[0].text != first.choices[1].text  # each choice its own stream
+
+
+def test_stop_strings_cut_the_text(server, local):
+    full = server.client.completions.create(model="gpt2", prompt="Hello", max_tokens=30, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert len(stop) == 3
+    r = server.client.completions.create(model="gpt2", prompt="Hello", max_tokens=30, temperature=0, stop=[stop],
+                                         extra_body={"ignore_eos": True}).choices[0]
+    assert r.text == full[:full.index(stop)] and r.finish_reason == "stop"
+    chunks = server.client.completions.create(model="gpt2", prompt="Hello", max_tokens=30, temperature=0,
+                                              stop=stop, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in chunks) == r.text  # a stop split across tokens never leaks
+
+
+def test_logprobs_are_the_models(server, local):
+    w, tok = local
+    ids = tok.encode("Numbers: 1, 2, 3")
+    r = server.client.completions.create(model="gpt2", prompt=ids, max_tokens=5, temperature=0, logprobs=3,
+                                         extra_body={"ignore_eos": True}).choices[0]
+    tokens = greedy_tokens(local, ids, 5)
+    mc = g.ModelCache(w.config)
+    logits = [g.prefill(ids, w, mc), *(g.decode_step(t, w, mc) for t in tokens[:-1])]
+    expected = [log_softmax(z)[t] for z, t in zip(logits, tokens)]
+    np.testing.assert_allclose(r.logprobs.token_logprobs, expected, atol=1e-4)
+    for top, lp in zip(r.logprobs.top_logprobs, r.logprobs.token_logprobs):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(lp)  # greedy: the token is the best
+    assert r.logprobs.tokens == [tok.decode([t]) for t in tokens]
+    assert r.logprobs.text_offset[0] == 0
+
+
+def test_echo_gives_the_prompts_log_probabilities(server, local):
+    w, tok = local
+    text = "The quick brown fox jumps over the lazy dog"
+    r = server.client.completions.create(model="gpt2", prompt=text, max_tokens=0, echo=True, logprobs=1).choices[0]
+    assert r.text == text
+    expected = g.score(tok.encode(text), w)
+    assert r.logprobs.token_logprobs[0] is None
+    np.testing.assert_allclose(r.logprobs.token_logprobs[1:], expected.logprobs, atol=1e-4)
+    greedy = [lp == pytest.approx(max(top.values())) for top, lp in
+              zip(r.logprobs.top_logprobs[1:], r.logprobs.token_logprobs[1:])]
+    assert greedy == list(expected.greedy)
+    assert r.logprobs.text_offset == [text.index(t, o) for t, o in zip(r.logprobs.tokens, r.logprobs.text_offset)]
+
+
+def test_echo_and_one_token_as_lm_eval_asks(server, local):
+    """lm-evaluation-harness's local-completions: token ids, echo, max_tokens 1, logprobs 1, temperature 0."""
+    w, _ = local
+    ids = [[464, 3290, 286, 1204, 318], [40, 588]]
+    r = server.post("/v1/completions", {"model": "gpt2", "prompt": ids, "max_tokens": 1, "logprobs": 1,
+                                        "echo": True, "temperature": 0, "seed": 1234}).json()
+    for choice, prompt in zip(r["choices"], ids):
+        lp = choice["logprobs"]["token_logprobs"]
+        assert len(lp) == len(prompt) + 1
+        np.testing.assert_allclose(lp[1:len(prompt)], g.score(prompt, w).logprobs, atol=1e-4)
+
+
+def test_concurrent_requests_equal_one_at_a_time(server):
+    rng = np.random.default_rng(0)
+    requests = [dict(model="gpt2", prompt=rng.integers(0, 50257, int(n)).tolist(), max_tokens=int(m), temperature=0)
+                for n, m in zip(rng.integers(1, 60, 20), rng.integers(1, 40, 20))]
+    alone = [server.client.completions.create(**kw).choices[0].text for kw in requests]
+    health = []
+
+    def poll(stop):
+        while not stop.done():
+            t = time.perf_counter()
+            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+            health.append(time.perf_counter() - t)
+            time.sleep(0.01)
+
+    with concurrent.futures.ThreadPoolExecutor(22) as pool:
+        futures = [pool.submit(server.client.completions.create, **kw) for kw in requests]
+        done = concurrent.futures.Future()
+        poller = pool.submit(poll, done)
+        together = [f.result().choices[0].text for f in futures]
+        done.set_result(None)
+        poller.result()
+    assert together == alone
+    assert health and np.median(health) < 0.1, f"/health took {max(health):.3f} s at most"
+
+
+def test_a_client_that_leaves_frees_its_slot(server):
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "x", "max_tokens": 120, "stream": True, "ignore_eos": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{server.url}/health").json()["active"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "active": 0, "queued": 0}
+    time.sleep(0.2)
+    cancelled = [line for line in server.log.read_text().splitlines() if "completion cancelled" in line]
+    assert cancelled and int(cancelled[-1].split(" tokens out")[0].split()[-1]) < 120
+
+
+def test_memory_is_flat_after_many_requests(server):
+    def burst(n):
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda i: server.client.completions.create(
+                model="gpt2", prompt=f"request {i}", max_tokens=4, logprobs=2, echo=i % 2 == 0), range(n)))
+
+    burst(50)
+    before = server.rss_mb()
+    burst(200)
+    assert server.rss_mb() - before < 16, f"RSS grew from {before:.0f} MB to {server.rss_mb():.0f} MB"
+
+
+BAD = [
+    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "temperature": -0.5}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logprobs": 99}, "logprobs"),
+    ({"prompt": "x", "stop": ["a", 3]}, "stop"),
+    ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": [1, 2, 50257]}, "prompt"),
+    ({"prompt": [[1], [-1]]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1.5]}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": list(range(100)), "max_tokens": 29}, "max_tokens"),
+    ([1, 2], None),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD, ids=[str(p) for _, p in BAD])
+def test_bad_requests_get_400_and_the_server_goes_on(server, body, param):
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+    assert server.client.completions.create(model="gpt2", prompt="ok", max_tokens=2).choices[0].text is not None
+
+
+def test_bodies_that_are_not_json_or_too_big(server):
+    for content in (b"{not json", b"\xff\xfe", b"x" * (2**20 + 1)):
+        r = server.post("/v1/completions", content=content)
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text
+    assert "over the limit" in r.json()["error"]["message"]
+    assert server.post("/v1/completions", {"prompt": "x"}, key="wrong").status_code == 401
+    assert server.post("/v1/completions", {"prompt": "x"}, key=None).status_code == 401
+    assert httpx.get(f"{server.url}/v1/nothing-here").json()["error"]["message"]
+
+
+def test_a_full_queue_gets_503(server):
+    n = MAX_BATCH + MAX_QUEUE + 16
+    body = {"prompt": "y", "max_tokens": 120, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        replies = list(pool.map(lambda _: server.post("/v1/completions", body), range(n)))
+    codes = [r.status_code for r in replies]
+    assert codes.count(503) >= 1 and set(codes) == {200, 503}, codes
+    busy = next(r for r in replies if r.status_code == 503)
+    assert busy.headers["retry-after"] and busy.json()["error"]["type"] == "server_error"
+    assert all(r.json()["usage"]["completion_tokens"] == 120 for r in replies if r.status_code == 200)
+
+
+def test_models_health_tokenize_detokenize(server, local):
+    _, tok = local
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == ["model"]
+    ids = server.post("/tokenize", {"content": "Hello, world"}).json()["tokens"]
+    assert ids == tok.encode("Hello, world")
+    assert server.post("/detokenize", {"tokens": ids}).json()["content"] == "Hello, world"
+    assert server.post("/tokenize", {"prompt": "Hello, world"}).json()["tokens"] == ids  # as vLLM's
+    assert server.post("/detokenize", {"tokens": [50257]}).status_code == 400
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_sigterm_stops_cleanly_with_a_stream_in_flight(tmp_path):
+    s = Server(tmp_path)
+    with httpx.stream("POST", f"{s.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "z", "max_tokens": 120, "stream": True, "ignore_eos": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        s.process.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]  # uvicorn lets a request in flight finish
+    # uvicorn re-raises the signal once it has shut down, so the exit is the signal's, as for any process
+    assert s.process.wait(30) in (0, -signal.SIGTERM), s.log.read_text()
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    log = s.log.read_text()
+    assert "Application shutdown complete" in log and "Traceback" not in log
+
+
+def test_lm_eval_local_completions(server, tmp_path):
+    """lm-evaluation-harness's local-completions model against the server, with its remote tokenizer: the
+    same numbers, sample by sample, as its gpt2numba model in-process (tests/test_harness.py's tasks)."""
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (the test extra)")
+    from lm_eval.tasks import TaskManager
+    from test_harness import write_tasks
+
+    import gpt2numba.harness  # noqa: F401  (registers "gpt2numba")
+
+    write_tasks(tmp_path)
+    tasks, manager = ["gn_mc", "gn_ppl", "gn_gen"], TaskManager(include_path=str(tmp_path))
+    remote = lm_eval.simple_evaluate(
+        model="local-completions", tasks=tasks, task_manager=manager, log_samples=True,
+        model_args={"base_url": f"{server.url}/v1/completions", "model": "model", "tokenizer_backend": "remote",
+                    "auth_token": KEY, "header": {"Authorization": f"Bearer {KEY}"}, "tokenized_requests": True,
+                    "max_length": CONFIG.n_positions, "num_concurrent": 4, "max_retries": 1})
+    # the API model keeps a position for the token it asks to generate, and its rolling windows are one
+    # shorter still: n_positions - 2 tokens. The in-process model gets the same windows
+    local = lm_eval.simple_evaluate(model="gpt2numba", tasks=tasks,
+                                    model_args=f"model={server.model},max_length={CONFIG.n_positions - 2}",
+                                    task_manager=manager, log_samples=True)
+    for task in tasks:
+        ours, theirs = (sorted(out["samples"][task], key=lambda s: s["doc_id"]) for out in (local, remote))
+        assert len(ours) == len(theirs) > 0
+        for a, b in zip(ours, theirs):
+            for x, y in zip(a["resps"], b["resps"]):
+                x, y = np.array(x[0], dtype=object).ravel(), np.array(y[0], dtype=object).ravel()
+                assert [type(v) for v in x] == [type(v) for v in y]
+                for u, v in zip(x, y):
+                    assert u == (pytest.approx(v, abs=1e-3) if isinstance(v, float) else v), (task, a["doc_id"])
+
+
+def test_an_engine_failure_fails_one_request_and_the_server_goes_on(monkeypatch):
+    """In-process (Starlette's TestClient): a request whose work raises gets a 500 in OpenAI's shape, and the
+    engine thread lives on for the next."""
+    from starlette.testclient import TestClient
+
+    from gpt2numba import serve
+
+    def broken(self, ids, k):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(serve.Engine, "_prompt_logprobs", broken)
+    w = g.random_weights(CONFIG, seed=5)
+    with TestClient(serve.create_app(w, g.load_tokenizer(), max_batch=2)) as client:
+        r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "echo": True, "logprobs": 1})
+        assert r.status_code == 500 and "planted" in r.json()["error"]["message"]
+        r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
