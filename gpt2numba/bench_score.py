@@ -206,6 +206,7 @@ def print_report(r):
         y = r["ray"]
         print(f"\nRay Data, local cluster of {r['threads']} CPUs, one worker of {r['threads']} threads, "
               f"{y['documents']} documents as text ({y['tokens']} tokens): in-process {y['in_process_s']:.2f} s, "
-              f"Ray {y['ray_s']:.2f} s ({y['ray_s'] / y['in_process_s']:.2f}x; the first job {y['first_run_s']:.2f} s); "
+              f"Ray {y['ray_s']:.2f} s ({y['ray_s'] / y['in_process_s']:.2f}x; "
+              f"the first job {y['first_run_s']:.2f} s); "
               f"a job of one document takes {y['one_document_s']:.2f} s (the worker's start); the cluster's start "
               f"{y['cluster_start_s']:.1f} s; max relative |NLL difference| {y['max_rel_nll_diff']:.1e}")
