@@ -60,10 +60,12 @@ class Sampler:
             return int(np.argmax(z))
         with np.errstate(over="ignore"):  # <= 0: a tiny temperature gives -inf, never nan
             z = (z - z.max()) / self.temperature
-        candidates = self.candidates(z)
-        probs = _softmax(z[candidates])
-        return int(candidates[min(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"),
-                                  len(candidates) - 1)])
+        cut = self.top_k is not None or self.top_p is not None
+        candidates = self.candidates(z) if cut else None  # (with no cut, no index array: it cost 0.3 ms)
+        weights = np.exp(z[candidates] if cut else z, out=None if cut else z)  # z <= 0: exp(z) <= 1, unnormalised
+        cumulative = np.cumsum(weights, out=weights)
+        pick = min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")), len(weights) - 1)
+        return int(candidates[pick]) if cut else pick
 
     def candidates(self, z: np.ndarray) -> np.ndarray:
         """Ids allowed by top_k and top_p for tempered logits z: most likely first, or all in id order."""
