@@ -19,6 +19,7 @@ floors are printed.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import multiprocessing
 import os
@@ -40,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (default: seeded random GPT-2 small, written to a temp dir)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--lengths", type=int, nargs="+", default=[16, 128, 512, 1024], help="prompt lengths")
-    p.add_argument("--contexts", type=int, nargs="+", default=[16, 128, 900], help="decode after these")
+    p.add_argument("--lengths", type=int, nargs="+", help="prompt lengths (default 16 128 512 1024; --llama: 128 512)")
+    p.add_argument("--contexts", type=int, nargs="+", help="decode after these (default 16 128 900; --llama: 128 900)")
     p.add_argument("--repeat", type=int, default=5, help="prefill runs per length (median)")
     p.add_argument("--steps", type=int, default=64, help="decode steps per context (median)")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="array size for the read-bandwidth floor")
@@ -70,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     scoring.add_argument("--score-repeat", type=int, default=3, help="runs per workload (median)")
     scoring.add_argument("--ray", action="store_true",
                          help="also the short documents through Ray Data on a local cluster (the [ray] extra)")
+    p.add_argument("--llama", action="store_true",
+                   help="llama.cpp on GGUF files of the same weights instead of the above (the [peers] extra)")
     args = p.parse_args(argv)
+    args.lengths = args.lengths or ([128, 512] if args.llama else [16, 128, 512, 1024])
+    args.contexts = args.contexts or ([128, 900] if args.llama else [16, 128, 900])
 
     import gpt2numba as g
 
@@ -84,12 +89,12 @@ def main(argv: list[str] | None = None) -> int:
             g.save_weights(g.random_weights(g.GPT2Config.small(), seed=0), model_dir)
         w = g.load_weights(model_dir)
         report["model"] = str(args.model or "random GPT-2 small (seed 0)")
-        if args.score:
-            from . import bench_score
-
-            report.update(bench_score.run(args, model_dir, w))
-            bench_score.print_report(report)
-            return _write(report, args.json)
+        for flag, section in (("score", "bench_score"), ("llama", "bench_llama")):
+            if getattr(args, flag):
+                module = importlib.import_module(f".{section}", __package__)
+                report.update(module.run(args, model_dir, w))
+                module.print_report(report)
+                return _write(report, args.json)
         stored = {dtype: w.astype(dtype) for dtype in dict.fromkeys(("float32", *args.dtypes))}
         report["floors"] = floors = _floors(stored, args)
         if set(args.dtypes) - {"float32"}:
@@ -310,6 +315,11 @@ def _serve(kind, model_dir, threads, conn):
     if kind == "transformers":
         system = _transformers(model_dir, threads)
         name, version = "transformers", system.version if system else None
+    elif kind.startswith("llama.cpp "):  # model_dir: a GGUF file
+        from .bench_llama import _llama
+
+        system = _llama(kind, model_dir, threads)
+        name, version = kind, system.version if system else None
     else:
         import gpt2numba as g
 

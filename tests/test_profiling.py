@@ -118,3 +118,21 @@ def test_bench_throughput_against_transformers(tmp_path):
         # greedy over the same weights: left padding and ragged positions must not change a token
         assert decode["same_greedy_sequences"] == decode["sequences"]
     assert "same greedy tokens as transformers: 3 of 3 sequences" in stdout
+
+
+def test_bench_llama(tmp_path):
+    """llama.cpp beside us on GGUF files of the same tiny model (GPT-2's vocabulary): where llama-cpp-python is
+    installed (the [peers] extra, kept out of the test extra: it compiles llama.cpp for minutes)."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp's benchmark needs llama-cpp-python (pip install -e '.[peers]')")
+    config = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=1024, vocab_size=50257)
+    write_dir(g.random_weights(config, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "llama.json"
+    r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--llama", "--model", str(tmp_path / "ckpt"),
+                        "--lengths", "16", "--contexts", "8", "--repeat", "2", "--steps", "3",
+                        "--accuracy-prompts", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["same_model"] < 2e-3
+    assert set(report["decode"]["8"]) >= {"gpt2numba", "llama.cpp F32", "llama.cpp Q4_0"}
+    assert report["accuracy"]["llama.cpp Q8_0"]["argmax_agreement"] > 0
+    assert "llama.cpp Q4_0" in r.stdout

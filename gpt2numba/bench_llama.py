@@ -1,0 +1,114 @@
+"""llama.cpp beside gpt2numba (gpt2numba bench --llama): the same weights as GGUF files, side by side.
+
+Each of gpt2numba's formats runs against the llama.cpp format of the same size:
+float32 / F32, bfloat16 / F16, int8 / Q8_0, and llama.cpp's Q4_0 (its default,
+which keeps the tied embedding and head in Q6_K) on its own. llama.cpp runs in
+its own worker process through llama-cpp-python (the optional extra [peers]; it
+compiles llama.cpp at install, several minutes on two cores), alternating run by
+run with ours. Before any timing, its F32 logits must match ours to 2e-3 (its
+GELU is a float16 table, about 1e-3). Accuracy: for each format, max |logit -
+our float32 logits| and the share of positions with the same argmax.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .bench import _decode_runs, _name, _prefill_runs, _Remote, _systems
+
+PAIRS = (("float32", "F32"), ("bfloat16", "F16"), ("int8", "Q8_0"), (None, "Q4_0"))
+SAME_MODEL_ATOL = 2e-3
+
+
+class _Llama:
+    """llama.cpp behind the benchmark's calls: prefill(ids) and decode(token) return (vocab,) logits."""
+
+    def __init__(self, llama_cpp, model, version):
+        self.llama_cpp, self.model, self.version = llama_cpp, model, version
+
+    def _logits(self):
+        n_vocab = self.model.n_vocab()
+        return np.ctypeslib.as_array(self.llama_cpp.llama_get_logits_ith(self.model.ctx, -1), shape=(n_vocab,)).copy()
+
+    def prefill(self, ids):
+        self.model.reset()
+        self.model.eval([int(t) for t in ids])
+        return self._logits()
+
+    def decode(self, token):
+        self.model.eval([int(token)])
+        return self._logits()
+
+
+def _llama(kind, gguf_path, threads):
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    model = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads,
+                            n_threads_batch=threads, verbose=False)
+    return _Llama(llama_cpp, model, f"llama-cpp-python {llama_cpp.__version__}")
+
+
+def run(args, model_dir, w) -> dict:
+    """The llama.cpp section's figures: {"same_model", "accuracy", "prefill", "decode"}."""
+    from .gguf_export import write_gguf
+
+    report = {"notes": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {fmt: write_gguf(w, Path(tmp, f"gpt2-{fmt}.gguf"), fmt) for _, fmt in PAIRS}
+        ours = [_Remote(dtype, model_dir, args.threads) for dtype, _ in PAIRS if dtype]
+        theirs = [_Remote(f"llama.cpp {fmt}", files[fmt], args.threads) for _, fmt in PAIRS]
+        systems = [*ours, *theirs]
+        try:
+            if theirs[0].version is None:
+                raise SystemExit("llama-cpp-python is not installed: pip install -e '.[peers]'")
+            report["llama_cpp"] = theirs[0].version
+            report["same_model"], report["accuracy"] = _accuracy(systems, w, args)
+            if report["same_model"] > SAME_MODEL_ATOL:
+                raise SystemExit(f"llama.cpp's F32 logits differ from ours by {report['same_model']:.1e} > "
+                                 f"{SAME_MODEL_ATOL}: the GGUF is not the same model")
+            report["prefill"] = _prefill_runs(systems, w, args)
+            report["decode"] = _decode_runs(systems, w, args)
+        finally:
+            for remote in systems:
+                remote.close()
+    return report
+
+
+def _accuracy(systems, w, args):
+    """(max |llama.cpp F32 - our float32| logits, and per system: max |logit - our float32|, same argmax share)."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, w.config.vocab_size, 32) for _ in range(args.accuracy_prompts)]
+    logits = {s.name: [s.call("prefill", ids, logits=True)[2] for ids in prompts] for s in systems}
+    reference = logits[_name("float32")]
+    accuracy = {name: {"max_abs_diff_vs_float32": max(float(np.abs(a - b).max()) for a, b in zip(rows, reference)),
+                       "argmax_agreement": float(np.mean([a.argmax() == b.argmax() for a, b in zip(rows, reference)]))}
+                for name, rows in logits.items()}
+    return accuracy["llama.cpp F32"]["max_abs_diff_vs_float32"], accuracy
+
+
+def print_report(r):
+    print(f"\ngpt2numba bench --llama: {r['model']}, {r['threads']} threads; against {r['llama_cpp']}")
+    print(f"same model: max |llama.cpp F32 - gpt2numba float32| logits {r['same_model']:.1e} "
+          f"(<= {SAME_MODEL_ATOL}; llama.cpp's GELU is a float16 table)")
+    columns = [("prefill", T, f"prefill {T}") for T in r["prefill"]] + [("decode", c, f"decode@{c}")
+                                                                         for c in r["decode"]]
+    print(f"\n{'pair':<18} {'system':<20} " + " ".join(f"{label:>12}" for *_, label in columns)
+          + f" {'max|d logit|':>12} {'argmax':>7}")
+    for dtype, fmt in PAIRS:
+        for name in ([_name(dtype)] if dtype else []) + [f"llama.cpp {fmt}"]:
+            a = r["accuracy"][name]
+            print(f"{(dtype or '-') + ' / ' + fmt:<18} {name:<20} "
+                  + " ".join(f"{_ms(r[kind], key, name):>12}" for kind, key, _ in columns)
+                  + f" {a['max_abs_diff_vs_float32']:>12.2e} {100 * a['argmax_agreement']:>6.0f}%")
+    print("(ms, medians; prefill: the whole prompt; decode: per token after that many; accuracy against "
+          "gpt2numba float32 on the same weights and prompts)")
+
+
+def _ms(rows, key, name):
+    stats = dict(_systems(rows[key])).get(name)
+    return f"{stats['median_ms']:.1f}" if stats else "-"
