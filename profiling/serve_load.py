@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2, help="requests per client, one after another")
+    p.add_argument("--llama", action="store_true",
+                   help="then the same load on llama.cpp's server (llama-cpp-python[server]) on an F32 GGUF of the "
+                   "same weights")
     p.add_argument("--json", type=Path, help="write every figure here")
     args = p.parse_args(argv)
     import httpx  # noqa: F401  (fails early without the [serve] extra)
@@ -54,13 +57,13 @@ def main(argv=None) -> int:
             report["in_process_ms"] = _in_process(model, args)
             url, server = _start(model, args, Path(tmp))
         try:
-            vocab = 50257
-            for n in args.concurrency:
-                report["concurrency"][n] = asyncio.run(_level(url, n, vocab, args))
+            report["concurrency"] = _levels(url, args)
         finally:
             if server:
                 server.terminate()
                 server.wait(30)
+        if args.llama and not args.url:
+            report["llama_cpp"] = _llama_levels(model, args, Path(tmp))
     _print(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
@@ -99,48 +102,91 @@ print(1e3 * float(np.median(steps)), 1e3 * float(np.median(whole[1:])))
 
 
 def _start(model: Path, args, tmp: Path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     log = (tmp / "server.log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "gpt2numba", "serve", "--model", str(model), "--port", str(port),
                                "--threads", str(args.threads), "--max-batch", str(max(args.concurrency))],
                               stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    return _wait(server, f"http://127.0.0.1:{port}", "/health", tmp / "server.log"), server
+
+
+def _levels(url: str, args, alive: str = "/health") -> dict:
+    """Every --concurrency level against the server at url; ``alive``: the path polled meanwhile."""
+    return {n: asyncio.run(_level(url, n, args, alive)) for n in args.concurrency}
+
+
+def _llama_levels(model: Path, args, tmp: Path) -> dict:
+    """The same levels against llama.cpp's OpenAI-compatible server (python -m llama_cpp.server)."""
+    import gpt2numba as g
+    from gpt2numba.gguf_export import write_gguf
+
+    gguf = write_gguf(g.load_weights(model), tmp / "model-f32.gguf", "F32")
+    port = _free_port()
+    log = (tmp / "llama-server.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+                               "--port", str(port), "--n_threads", str(args.threads), "--n_threads_batch",
+                               str(args.threads), "--n_ctx", "1024"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = _wait(server, f"http://127.0.0.1:{port}", "/v1/models", tmp / "llama-server.log")
+        import llama_cpp
+
+        return {"version": f"llama-cpp-python {llama_cpp.__version__}",
+                "concurrency": _levels(url, args, alive="/v1/models")}
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(server, url: str, path: str, log: Path) -> str:
     import httpx
 
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise SystemExit(f"the server stopped: {(tmp / 'server.log').read_text()[-2000:]}")
+            raise SystemExit(f"the server stopped: {log.read_text()[-2000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return url, server
+            if httpx.get(f"{url}{path}", timeout=1).status_code == 200:
+                return url
         except httpx.TransportError:
             time.sleep(0.2)
     server.terminate()
     raise SystemExit("the server did not start in 300 s")
 
 
-async def _level(url: str, n: int, vocab: int, args) -> dict:
+def _prompts(rng, count: int, args) -> list[str]:
+    """Texts of --prompt-tokens random GPT-2 ids each (text, so that any server takes them; they
+    re-encode to about as many tokens)."""
+    from gpt2numba.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    return [tokenizer.decode(ids) for ids in rng.integers(0, tokenizer.eot_id, (count, args.prompt_tokens))]
+
+
+async def _level(url: str, n: int, args, alive: str) -> dict:
     import httpx
 
     rng = np.random.default_rng(n)
     limits = httpx.Limits(max_connections=n + 2)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await _stream(client, rng.integers(0, vocab, args.prompt_tokens).tolist(), 4)  # warm-up
+        await _stream(client, _prompts(rng, 1, args)[0], 4)  # warm-up
         stop = asyncio.Event()
-        health = asyncio.create_task(_poll_health(client, stop))
+        health = asyncio.create_task(_poll_health(client, stop, alive))
         t0 = time.perf_counter()
-        per_client = await asyncio.gather(*(_client(client, rng.integers(0, vocab, (args.rounds, args.prompt_tokens)),
-                                                    args.max_tokens) for _ in range(n)))
+        per_client = await asyncio.gather(*(_client(client, _prompts(rng, args.rounds, args), args.max_tokens)
+                                            for _ in range(n)))
         wall = time.perf_counter() - t0
         stop.set()
         health_s = await health
         whole = []  # at N = 1, whole requests too: what HTTP costs without a chunk per token
-        for ids in (rng.integers(0, vocab, (3, args.prompt_tokens)) if n == 1 else []):
+        for prompt in (_prompts(rng, 3, args) if n == 1 else []):
             t = time.perf_counter()
-            body = {"prompt": ids.tolist(), "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+            body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
             (await client.post("/v1/completions", json=body)).raise_for_status()
             whole.append(time.perf_counter() - t)
     requests = [r for rs in per_client for r in rs]
@@ -153,12 +199,12 @@ async def _level(url: str, n: int, vocab: int, args) -> dict:
 
 
 async def _client(client, prompts, max_tokens):
-    return [await _stream(client, ids.tolist(), max_tokens) for ids in prompts]
+    return [await _stream(client, prompt, max_tokens) for prompt in prompts]
 
 
-async def _stream(client, ids, max_tokens) -> dict:
-    """One streamed completion: when each token's chunk came."""
-    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+async def _stream(client, prompt: str, max_tokens) -> dict:
+    """One streamed completion: when each token's chunk came (a server without ignore_eos may stop early)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
     t0 = time.perf_counter()
     times = []
     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -168,17 +214,17 @@ async def _stream(client, ids, max_tokens) -> dict:
                 chunk = json.loads(line[6:])
                 if chunk["choices"] and chunk["choices"][0]["finish_reason"] is None:
                     times.append(time.perf_counter())
-    if len(times) != max_tokens:
-        raise RuntimeError(f"asked for {max_tokens} tokens, got {len(times)} chunks")
+    if not times:
+        raise RuntimeError(f"asked for {max_tokens} tokens, got no chunk")
     return {"tokens": len(times), "ttft_s": times[0] - t0,
             "tpot_s": (times[-1] - times[0]) / max(1, len(times) - 1)}
 
 
-async def _poll_health(client, stop) -> list[float]:
+async def _poll_health(client, stop, path) -> list[float]:
     seconds = []
     while not stop.is_set():
         t = time.perf_counter()
-        (await client.get("/health")).raise_for_status()
+        (await client.get(path)).raise_for_status()
         seconds.append(time.perf_counter() - t)
         await asyncio.sleep(0.05)
     return seconds
@@ -190,17 +236,10 @@ def _percentiles(seconds) -> dict:
 
 
 def _print(r):
-    levels = r["concurrency"]
-    base = levels[min(levels)] if levels else None
-    print(f"\ngpt2numba serve under load: streams of {r['prompt_tokens']}-token prompts asking for "
+    print(f"\ngpt2numba serve under load: streams of {r['prompt_tokens']}-token prompts (as text) asking for "
           f"{r['max_tokens']} tokens, {r['rounds']} per client; {r['threads']} threads; cpus {os.cpu_count()}")
-    print(f"{'N':>4} {'requests':>8} {'tok/s':>7} {'vs N=1':>7} {'TTFT p50':>9} {'p95':>7} {'TPOT p50':>9} "
-          f"{'p95':>6} {'vs N=1':>7} {'/health p50':>11} {'max':>6}  (ms)")
-    for n, o in levels.items():
-        print(f"{n:>4} {o['requests']:>8} {o['tok_s']:>7.1f} {o['tok_s'] / base['tok_s']:>6.2f}x "
-              f"{o['ttft_ms']['p50']:>9.1f} {o['ttft_ms']['p95']:>7.1f} {o['tpot_ms']['p50']:>9.2f} "
-              f"{o['tpot_ms']['p95']:>6.2f} {o['tpot_ms']['p95'] / base['tpot_ms']['p95']:>6.2f}x "
-              f"{o['health_ms']['p50']:>11.1f} {o['health_ms']['max']:>6.1f}")
+    _table(r["concurrency"])
+    levels = r["concurrency"]
     if "in_process_ms" in r and 1 in levels:
         ours, one = r["in_process_ms"], levels[1]
         http = one["tpot_ms"]["p50"]
@@ -210,8 +249,26 @@ def _print(r):
         whole = one["whole_request_ms"]["p50"]
         print(f"N = 1, not streamed: {whole:.0f} ms a request over HTTP against {ours['request_ms']:.0f} ms for "
               f"the same prefill and decode steps in-process: {100 * (whole / ours['request_ms'] - 1):+.1f}%")
-    print("llama.cpp's server (python -m llama_cpp.server): not compared; it needs GGUF files of the same "
-          "weights, which gpt2numba does not write yet")
+    if "llama_cpp" in r:
+        theirs = r["llama_cpp"]
+        print(f"\nllama.cpp's server ({theirs['version']}, python -m llama_cpp.server), an F32 GGUF of the same "
+              f"weights, the same load (/health: its /v1/models):")
+        _table(theirs["concurrency"])
+        print("tok/s, gpt2numba over llama.cpp: " + ", ".join(
+            f"N={n} {levels[n]['tok_s'] / o['tok_s']:.2f}x" for n, o in theirs["concurrency"].items() if n in levels))
+    else:
+        print("llama.cpp's server: not run (--llama, with llama-cpp-python[server] installed)")
+
+
+def _table(levels):
+    base = levels[min(levels)]
+    print(f"{'N':>4} {'requests':>8} {'tok/s':>7} {'vs N=1':>7} {'TTFT p50':>9} {'p95':>7} {'TPOT p50':>9} "
+          f"{'p95':>6} {'vs N=1':>7} {'/health p50':>11} {'max':>6}  (ms)")
+    for n, o in levels.items():
+        print(f"{n:>4} {o['requests']:>8} {o['tok_s']:>7.1f} {o['tok_s'] / base['tok_s']:>6.2f}x "
+              f"{o['ttft_ms']['p50']:>9.1f} {o['ttft_ms']['p95']:>7.1f} {o['tpot_ms']['p50']:>9.2f} "
+              f"{o['tpot_ms']['p95']:>6.2f} {o['tpot_ms']['p95'] / base['tpot_ms']['p95']:>6.2f}x "
+              f"{o['health_ms']['p50']:>11.1f} {o['health_ms']['max']:>6.1f}")
 
 
 if __name__ == "__main__":

@@ -136,3 +136,19 @@ def test_bench_llama(tmp_path):
     assert set(report["decode"]["8"]) >= {"gpt2numba", "llama.cpp F32", "llama.cpp Q4_0"}
     assert report["accuracy"]["llama.cpp Q8_0"]["argmax_agreement"] > 0
     assert "llama.cpp Q4_0" in r.stdout
+
+
+def test_serve_load_script(tmp_path):
+    """The load generator against a server it starts on a tiny model with GPT-2's vocabulary."""
+    pytest.importorskip("httpx", reason="the load generator needs httpx (the [serve] extra)")
+    config = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=128, vocab_size=50257)
+    write_dir(g.random_weights(config, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "load.json"
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "serve_load.py"), "--model", str(tmp_path / "ckpt"),
+                        "--concurrency", "1", "3", "--prompt-tokens", "8", "--max-tokens", "5", "--rounds", "1",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    three = report["concurrency"]["3"]
+    assert three["requests"] == 3 and three["tokens"] == 15 and three["tpot_ms"]["p50"] > 0
+    assert report["in_process_ms"]["decode_step_ms"] > 0 and "not streamed" in r.stdout
