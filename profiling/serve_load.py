@@ -125,7 +125,8 @@ def _llama_levels(model: Path, args, tmp: Path) -> dict:
     log = (tmp / "llama-server.log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
                                "--port", str(port), "--n_threads", str(args.threads), "--n_threads_batch",
-                               str(args.threads), "--n_ctx", "1024"], stdout=log, stderr=subprocess.STDOUT)
+                               str(args.threads), "--n_ctx", "1024", "--interrupt_requests", "False"],
+                              stdout=log, stderr=subprocess.STDOUT)  # (by default a new request cuts the stream in flight)
     try:
         url = _wait(server, f"http://127.0.0.1:{port}", "/v1/models", tmp / "llama-server.log")
         import llama_cpp
