@@ -218,6 +218,7 @@ class Job:
         self.started = time.perf_counter()
 
         self.outbox: list[tuple] = []  # events not yet handed to the event loop (the engine thread's)
+        self.echoed: dict[int, tuple] = {}  # prompt index -> its echo (text, logprobs), for its n choices
 
 
 def _deliver(items: list[tuple[Job, list[tuple]]]) -> None:
@@ -349,26 +350,24 @@ class Engine:
 
     def _admit(self) -> None:
         """Waiting choices into free places of the batch; echo's prompt log-probabilities on the way."""
-        echoed = {}  # (job, prompt) -> its echo event, computed once for the n choices
         while not self.batch.full:
             with self._wake:
                 if not self._waiting:
                     return
                 job, choice = self._waiting.popleft()
             try:
-                self._start(job, choice, echoed)
+                self._start(job, choice)
             except Exception as e:  # a bug: this request fails, the others go on
                 log.exception("starting a request failed")
                 self._fail(job, f"internal error: {type(e).__name__}: {e}")
 
-    def _start(self, job: Job, choice: _Choice, echoed: dict) -> None:
+    def _start(self, job: Job, choice: _Choice) -> None:
         r = job.request
         ids = r.prompts[choice.prompt]
         if r.echo:
-            key = (id(job), choice.prompt)
-            if key not in echoed:
-                echoed[key] = (self.tokenizer.decode(ids), self._prompt_logprobs(ids, r.logprobs))
-            self._emit(job, "text", choice.index, *echoed[key])
+            if choice.prompt not in job.echoed:  # once for the n choices of a prompt, whenever they start
+                job.echoed[choice.prompt] = (self.tokenizer.decode(ids), self._prompt_logprobs(ids, r.logprobs))
+            self._emit(job, "text", choice.index, *job.echoed[choice.prompt])
         if r.max_tokens == 0:
             self._finish(job, choice, "length")
             return

@@ -363,3 +363,28 @@ def test_an_engine_failure_fails_one_request_and_the_server_goes_on(monkeypatch)
         assert r.status_code == 500 and "planted" in r.json()["error"]["message"]
         r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_echo_is_computed_once_for_the_n_choices(monkeypatch):
+    """With one place in the batch, the n choices of an echoed prompt start in different steps; the prompt's
+    log-probabilities are computed once and every choice begins with them."""
+    from starlette.testclient import TestClient
+
+    from gpt2numba import serve
+
+    calls = []
+    original = serve.Engine._prompt_logprobs
+
+    def counted(self, ids, k):
+        calls.append(len(ids))
+        return original(self, ids, k)
+
+    monkeypatch.setattr(serve.Engine, "_prompt_logprobs", counted)
+    w = g.random_weights(CONFIG, seed=5)
+    with TestClient(serve.create_app(w, g.load_tokenizer(), max_batch=1)) as client:
+        r = client.post("/v1/completions", json={"prompt": "Echo me", "max_tokens": 2, "n": 3, "echo": True,
+                                                 "logprobs": 1, "seed": 0}).json()
+    n_prompt = len(g.load_tokenizer().encode("Echo me"))
+    assert calls == [n_prompt]
+    assert all(c["text"].startswith("Echo me") for c in r["choices"]) and len(r["choices"]) == 3
+    assert len({tuple(c["logprobs"]["token_logprobs"][:n_prompt]) for c in r["choices"]}) == 1
