@@ -17,6 +17,10 @@ import numpy as np
 from .weights import GPT2Weights
 
 FORMATS = ("F32", "F16", "Q8_0", "Q4_0")
+# llama.cpp's tensor of each block -> our fields (weight, bias)
+_LAYER = (("attn_norm", "ln_1_g", "ln_1_b"), ("attn_qkv", "c_attn_w", "c_attn_b"),
+          ("attn_output", "attn_c_proj_w", "attn_c_proj_b"), ("ffn_norm", "ln_2_g", "ln_2_b"),
+          ("ffn_up", "c_fc_w", "c_fc_b"), ("ffn_down", "mlp_c_proj_w", "mlp_c_proj_b"))
 
 
 def write_gguf(w: GPT2Weights, path: str | Path, fmt: str = "F32") -> Path:
@@ -44,33 +48,28 @@ def write_gguf(w: GPT2Weights, path: str | Path, fmt: str = "F32") -> Path:
                           "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[fmt])
     _vocabulary(writer, gguf, cfg.vocab_size)
 
-    def matrix(name, a):  # a: [out, in] float32
+    def stored(name, a):  # a matrix [out, in], in fmt
+        a = np.ascontiguousarray(a, np.float32)
         if fmt == "F32":
-            writer.add_tensor(name, np.ascontiguousarray(a, np.float32))
+            writer.add_tensor(name, a)
         else:
-            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a, np.float32), qtype), raw_dtype=qtype)
+            writer.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
 
-    def vector(name, a):
+    def plain(name, a):  # float32 in every format
         writer.add_tensor(name, np.ascontiguousarray(a, np.float32))
 
-    matrix("token_embd.weight", v.wte)  # tied: llama.cpp's head reads it when there is no output.weight
-    vector("position_embd.weight", v.wpe)
-    vector("output_norm.weight", v.ln_f_g)
-    vector("output_norm.bias", v.ln_f_b)
+    stored("token_embd.weight", v.wte)  # tied: llama.cpp's head reads it when there is no output.weight
+    plain("position_embd.weight", v.wpe)  # decode reads one row of it
+    plain("output_norm.weight", v.ln_f_g)
+    plain("output_norm.bias", v.ln_f_b)
     for i in range(cfg.n_layer):
-        blk = f"blk.{i}"
-        vector(f"{blk}.attn_norm.weight", v.ln_1_g[i])
-        vector(f"{blk}.attn_norm.bias", v.ln_1_b[i])
-        matrix(f"{blk}.attn_qkv.weight", v.c_attn_w[i].T)
-        vector(f"{blk}.attn_qkv.bias", v.c_attn_b[i])
-        matrix(f"{blk}.attn_output.weight", v.attn_c_proj_w[i].T)
-        vector(f"{blk}.attn_output.bias", v.attn_c_proj_b[i])
-        vector(f"{blk}.ffn_norm.weight", v.ln_2_g[i])
-        vector(f"{blk}.ffn_norm.bias", v.ln_2_b[i])
-        matrix(f"{blk}.ffn_up.weight", v.c_fc_w[i].T)
-        vector(f"{blk}.ffn_up.bias", v.c_fc_b[i])
-        matrix(f"{blk}.ffn_down.weight", v.mlp_c_proj_w[i].T)
-        vector(f"{blk}.ffn_down.bias", v.mlp_c_proj_b[i])
+        for name, weight, bias in _LAYER:
+            a = getattr(v, weight)[i]
+            if a.ndim == 2:
+                stored(f"blk.{i}.{name}.weight", a.T)  # ours are [in, out]
+            else:
+                plain(f"blk.{i}.{name}.weight", a)  # a layernorm's gain
+            plain(f"blk.{i}.{name}.bias", getattr(v, bias)[i])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
