@@ -311,21 +311,26 @@ class _Remote:
         self.process.join(timeout=30)
 
 
-def _serve(kind, model_dir, threads, conn):
+def _system(kind, model_dir, threads):
+    """(system, name, version) for kind: a gpt2numba dtype, "transformers", or "llama.cpp FMT" (model_dir:
+    a GGUF file); system and version are None when that peer is not installed."""
     if kind == "transformers":
         system = _transformers(model_dir, threads)
-        name, version = "transformers", system.version if system else None
-    elif kind.startswith("llama.cpp "):  # model_dir: a GGUF file
+        return system, "transformers", system.version if system else None
+    if kind.startswith("llama.cpp "):
         from .bench_llama import _llama
 
         system = _llama(kind, model_dir, threads)
-        name, version = kind, system.version if system else None
-    else:
-        import gpt2numba as g
+        return system, kind, system.version if system else None
+    import gpt2numba as g
 
-        g.set_threads(threads)
-        system = _Ours(g, g.load_weights(model_dir, dtype=kind))
-        name, version = system.name, "gpt2numba"
+    g.set_threads(threads)
+    system = _Ours(g, g.load_weights(model_dir, dtype=kind))
+    return system, system.name, "gpt2numba"
+
+
+def _serve(kind, model_dir, threads, conn):
+    system, name, version = _system(kind, model_dir, threads)
     conn.send((name, version))
     while (msg := conn.recv()) is not None:
         method, arg, want_logits = msg

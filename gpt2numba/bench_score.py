@@ -10,6 +10,7 @@ benchmark. Also: what the head costs against the blocks, peak memory, and with
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -26,9 +27,7 @@ def run(args, model_dir, w) -> dict:
                          "transformers scores a short document in one window")
     if not 1 <= args.score_stride <= cfg.n_positions:
         raise SystemExit(f"--score-stride must be in [1, {cfg.n_positions}] (n_positions)")
-    rng = np.random.default_rng(6)
-    long_ids = rng.integers(0, cfg.vocab_size, args.score_long)
-    docs = [rng.integers(0, cfg.vocab_size, n) for n in rng.integers(low, high + 1, args.score_docs)]
+    long_ids, docs = _workload(cfg.vocab_size, args)
     report = {"long": {"tokens": args.score_long, "stride": args.score_stride},
               "docs": {"documents": len(docs), "doc_tokens": [low, high], "transformers_batch": args.score_batch}}
 
@@ -40,22 +39,33 @@ def run(args, model_dir, w) -> dict:
     report["transformers"] = theirs.version if theirs else None
     systems = [ours, *([theirs] if theirs else [])]
     try:
-        jobs = {"long": ("score_long", {ours.name: (long_ids, args.score_stride)}),
-                "docs": ("score_docs", {ours.name: docs})}
-        if theirs:
-            jobs["long"][1]["transformers"] = (long_ids, args.score_stride)
-            jobs["docs"][1]["transformers"] = (docs, args.score_batch)
-        for section, (method, job) in _progress(jobs.items(), "scoring"):
+        jobs = {s.name: _jobs(s.name, long_ids, docs, args) for s in systems}
+        for section, method in _progress((("long", "score_long"), ("docs", "score_docs")), "scoring"):
+            job = {name: jobs[name][method] for name in jobs}
             report[section].update(_alternate(systems, method, job, args.score_repeat))
         report["head"] = _head_cost(ours, w, args)
     finally:
         for remote in systems:
             remote.close()
     if not args.no_processes:
-        report["peak_rss_mb"] = _peak_rss(model_dir, args, theirs is not None)
+        report["peak_rss_mb"] = _peak_rss(model_dir, args, cfg.vocab_size, theirs is not None)
     if args.ray:
         report["ray"] = _ray_overhead(model_dir, w, docs, args)
     return report
+
+
+def _workload(vocab_size: int, args):
+    """(the long document's ids, the short documents' ids): seeded, the same in every process."""
+    rng = np.random.default_rng(6)
+    low, high = args.score_doc_tokens
+    long_ids = rng.integers(0, vocab_size, args.score_long)
+    return long_ids, [rng.integers(0, vocab_size, n) for n in rng.integers(low, high + 1, args.score_docs)]
+
+
+def _jobs(name, long_ids, docs, args) -> dict:
+    """What each scoring method of the system ``name`` takes: transformers batches the short documents."""
+    return {"score_long": (long_ids, args.score_stride),
+            "score_docs": (docs, args.score_batch) if name == "transformers" else docs}
 
 
 def _alternate(systems, method, job, repeat):
@@ -98,38 +108,27 @@ def _head_cost(ours, w, args):
             "head_gflop": head_flops / 1e9, "blocks_gflop": blocks_flops / 1e9}
 
 
-_OURS_SCORE_RSS = """
-import sys, numpy as np, gpt2numba as g
-w = g.load_weights(sys.argv[1])
-rng = np.random.default_rng(6)
-long_ids = rng.integers(0, w.config.vocab_size, int(sys.argv[2]))
-low, high, n = map(int, sys.argv[4:7])
-docs = [rng.integers(0, w.config.vocab_size, k) for k in rng.integers(low, high + 1, n)]
-g.score(long_ids, w, stride=int(sys.argv[3]))
-g.score_batch(docs, w)
-print(peak_rss_mb())
-"""
-_THEIRS_SCORE_RSS = """
-import sys, numpy as np
-from gpt2numba.bench import _transformers
-m = _transformers(sys.argv[1], 2)
-rng = np.random.default_rng(6)
-long_ids = rng.integers(0, m.model.config.vocab_size, int(sys.argv[2]))
-low, high, n = map(int, sys.argv[4:7])
-docs = [rng.integers(0, m.model.config.vocab_size, k) for k in rng.integers(low, high + 1, n)]
-m.score_long((long_ids, int(sys.argv[3])))
-m.score_docs((docs, int(sys.argv[7])))
+_SCORE_RSS = """
+import argparse, json, sys
+from gpt2numba.bench import _system
+from gpt2numba.bench_score import _jobs, _workload
+args = argparse.Namespace(**json.loads(sys.argv[3]))
+system, name, _ = _system(sys.argv[2], sys.argv[1], args.threads)
+jobs = _jobs(name, *_workload(args.vocab_size, args), args)
+system.score_long(jobs["score_long"])
+system.score_docs(jobs["score_docs"])
 print(peak_rss_mb())
 """
 
 
-def _peak_rss(model_dir, args, with_theirs):
-    """Peak RSS (MB) of a new process that scores both workloads."""
-    extra = [str(v) for v in (args.score_long, args.score_stride, *args.score_doc_tokens, args.score_docs,
-                              args.score_batch)]
-    result = {_name("float32"): _run(_PEAK_RSS + _OURS_SCORE_RSS, model_dir, None, *extra)}
+def _peak_rss(model_dir, args, vocab_size, with_theirs):
+    """Peak RSS (MB) of a new process that scores both workloads, for each system."""
+    settings = json.dumps({**{k: getattr(args, k) for k in ("threads", "score_long", "score_stride",
+                                                              "score_doc_tokens", "score_docs", "score_batch")},
+                           "vocab_size": vocab_size})
+    result = {_name("float32"): _run(_PEAK_RSS + _SCORE_RSS, model_dir, None, "float32", settings)}
     if with_theirs:
-        result["transformers"] = _run(_PEAK_RSS + _THEIRS_SCORE_RSS, model_dir, None, *extra)
+        result["transformers"] = _run(_PEAK_RSS + _SCORE_RSS, model_dir, None, "transformers", settings)
     return result
 
 
