@@ -4,6 +4,7 @@ Profiles: "ci" (the default; the whole suite in a few minutes on 2 cores) and
 "full" (many more examples, for local runs): HYPOTHESIS_PROFILE=full pytest
 """
 
+import dataclasses
 import os
 
 import numpy as np
@@ -19,6 +20,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Two layers of 64-wide heads: every code path of GPT-2, at a size that runs in ms.
 TINY = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=64, vocab_size=512)
+# TINY with GPT-2's vocabulary: for whatever goes through the tokenizer (text in or out)
+TINY_GPT2 = dataclasses.replace(TINY, vocab_size=50257)
 
 _max_diffs = []  # (label, max |cached - oracle|), reported at the end of the run
 

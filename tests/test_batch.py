@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpt2numba as g
-from conftest import TINY
+from conftest import TINY, TINY_GPT2
 from helpers import LENGTHS, check_batch_rounds, check_generate_batch
 from test_prefill import prompts
 
@@ -114,7 +114,7 @@ def test_each_sequence_stops_on_its_own(tiny):
     every prompt is served (the logits here do not depend on the input: refills are tested above)."""
     import dataclasses
 
-    w = g.random_weights(dataclasses.replace(TINY, vocab_size=50257), seed=0)
+    w = g.random_weights(TINY_GPT2, seed=0)
     wte = w.wte.copy()
     wte[50256] = 10.0 / TINY.n_embd  # ln_f's output is all ones below: p(<|endoftext|>) is about 0.3 each step
     w = dataclasses.replace(w, wte=wte, ln_f_g=np.zeros_like(w.ln_f_g), ln_f_b=np.ones_like(w.ln_f_b))

@@ -10,10 +10,11 @@ import pytest
 
 import gpt2numba as g
 from checkpoints import write_dir
+from conftest import TINY_GPT2
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'gpt2numba[ray]')")
 
-CONFIG = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=64, vocab_size=50257)  # GPT-2's vocabulary
+CONFIG = TINY_GPT2
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "", "x",
          "A longer document, scored in sliding windows. " * 12, "Once upon a time"]
 

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gpt2numba as g
-from conftest import TINY
+from conftest import TINY, TINY_GPT2
 
 logit_vectors = st.lists(st.floats(-20, 20, width=32), min_size=2, max_size=60, unique_by=lambda v: v + 0.0).map(  # distinct float32 logits (0.0 == -0.0)
     lambda x: np.array(x, np.float32))
@@ -69,7 +69,7 @@ def test_stops_at_eos(tiny):
     """A bias that makes <|endoftext|> (id 50256 in GPT-2; the last id here) certain."""
     import dataclasses
 
-    cfg = dataclasses.replace(TINY, vocab_size=50257)
+    cfg = TINY_GPT2
     w = g.random_weights(cfg, seed=0)
     wte = w.wte.copy()
     wte[50256] = 10.0  # with ln_f's output all ones, its logit is 10 n_embd, the rest near 0

@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 import gpt2numba as g
+from conftest import TINY_GPT2
 
 gguf = pytest.importorskip("gguf", reason="the GGUF writer needs the gguf package (the test and peers extras)")
 
-CONFIG = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=64, vocab_size=50257)
+CONFIG = TINY_GPT2
 
 
 @pytest.fixture(scope="module")

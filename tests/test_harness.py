@@ -13,6 +13,7 @@ import pytest
 
 import gpt2numba as g
 from checkpoints import write_dir
+from conftest import TINY_GPT2
 
 # the tasks read local JSON lines: nothing may be looked up on the Hugging Face hub
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -20,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'gpt2numba[eval]')")
 
 # GPT-2's vocabulary (the tokenizer's), two small layers, a 64-token context: windows are exercised
-CONFIG = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=64, vocab_size=50257)
+CONFIG = TINY_GPT2
 MC = [{"question": "Is the sky blue?", "choices": ["yes", "no", "maybe"], "answer": 0},
       {"question": "Two and two make", "choices": ["four", "five"], "answer": 1},
       {"question": "The capital of France is", "choices": ["Paris", "Rome", "a city"], "answer": 2}]

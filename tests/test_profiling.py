@@ -1,5 +1,6 @@
 """The profiling scripts run, with tiny settings, so that they cannot rot."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import pytest
 
 import gpt2numba as g
 from checkpoints import write_dir
-from conftest import TINY
+from conftest import TINY, TINY_GPT2
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,8 +36,7 @@ def test_bench_script(tmp_path):
 def test_bench_score(tmp_path):
     """The scoring section through the CLI, on a tiny model with GPT-2's vocabulary (the Ray part decodes and
     re-encodes text); transformers where installed."""
-    config = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=64, vocab_size=50257)
-    write_dir(g.random_weights(config, seed=0), tmp_path / "ckpt")
+    write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")
     out = tmp_path / "score.json"
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--score", "--model", str(tmp_path / "ckpt"),
                         "--threads", "1", "--score-long", "150", "--score-stride", "32", "--score-docs", "6",
@@ -124,8 +124,7 @@ def test_bench_llama(tmp_path):
     """llama.cpp beside us on GGUF files of the same tiny model (GPT-2's vocabulary): where llama-cpp-python is
     installed (the [peers] extra, kept out of the test extra: it compiles llama.cpp for minutes)."""
     pytest.importorskip("llama_cpp", reason="llama.cpp's benchmark needs llama-cpp-python (pip install -e '.[peers]')")
-    config = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=1024, vocab_size=50257)
-    write_dir(g.random_weights(config, seed=0), tmp_path / "ckpt")
+    write_dir(g.random_weights(dataclasses.replace(TINY_GPT2, n_positions=1024), seed=0), tmp_path / "ckpt")
     out = tmp_path / "llama.json"
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--llama", "--model", str(tmp_path / "ckpt"),
                         "--lengths", "16", "--contexts", "8", "--repeat", "2", "--steps", "3",
@@ -141,8 +140,7 @@ def test_bench_llama(tmp_path):
 def test_serve_load_script(tmp_path):
     """The load generator against a server it starts on a tiny model with GPT-2's vocabulary."""
     pytest.importorskip("httpx", reason="the load generator needs httpx (the [serve] extra)")
-    config = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=128, vocab_size=50257)
-    write_dir(g.random_weights(config, seed=0), tmp_path / "ckpt")
+    write_dir(g.random_weights(dataclasses.replace(TINY_GPT2, n_positions=128), seed=0), tmp_path / "ckpt")
     out = tmp_path / "load.json"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "serve_load.py"), "--model", str(tmp_path / "ckpt"),
                         "--concurrency", "1", "3", "--prompt-tokens", "8", "--max-tokens", "5", "--rounds", "1",

@@ -1,8 +1,8 @@
 """The HTTP server as its clients see it: a subprocess on a free port, the official openai client."""
 
 import concurrent.futures
+import dataclasses
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -15,12 +15,13 @@ import pytest
 
 import gpt2numba as g
 from checkpoints import write_dir
+from conftest import TINY_GPT2
 
 openai = pytest.importorskip("openai", reason="the server's tests need the openai client (the test extra)")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette", reason="the server needs the [serve] extra")
 
-CONFIG = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=128, vocab_size=50257)
+CONFIG = dataclasses.replace(TINY_GPT2, n_positions=128)
 KEY = "sk-test"
 MAX_BATCH, MAX_QUEUE = 8, 24  # 20 concurrent requests may all be waiting at once: the queue holds them
 
