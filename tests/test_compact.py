@@ -61,15 +61,13 @@ def test_gemv(K, N, n_blocks, accumulate, dtype, seed):
 @given(V=st.integers(1, 1100), C=groups, R=st.integers(1, 4), n_blocks=st.integers(1, 3),
        dtype=st.sampled_from(COMPACT), seed=st.integers(0, 2**32 - 1))
 def test_head(V, C, R, n_blocks, dtype, seed):
-    rng = np.random.default_rng(seed)
-    stored, scale = compact.compress("wte", randn(rng, V, C), dtype)
-    h, out = randn(rng, R, C), np.empty((R, V), np.float32)
-    with threadpool_limits(1, user_api="blas"):
-        if dtype == "bfloat16":
-            kernels._head_bf16(stored, h, out, n_blocks)
-        else:
-            kernels._head_int8(stored, scale, h, out, n_blocks)
-    np.testing.assert_allclose(out, h @ compact.expand("wte", stored, scale).T, atol=1e-4, rtol=1e-4)
+    def head(stored, scale, h, out):
+        with threadpool_limits(1, user_api="blas"):
+            if dtype == "bfloat16":
+                kernels._head_bf16(stored, h, out, n_blocks)
+            else:
+                kernels._head_int8(stored, scale, h, out, n_blocks)
+    check_head(head, V, C, R, dtype, seed)
 
 
 @given(T=st.integers(2, 7), K=groups, N=st.integers(1, 70), n_blocks=st.integers(1, 3),
@@ -87,10 +85,15 @@ def test_linear_rows(T, K, N, n_blocks, dtype, accumulate, seed):
 @given(V=st.integers(1, 60), C=groups, R=st.integers(2, 5), n_blocks=st.integers(1, 3),
        dtype=st.sampled_from(COMPACT), seed=st.integers(0, 2**32 - 1))
 def test_head_rows(V, C, R, n_blocks, dtype, seed):
+    check_head(lambda stored, scale, h, out: kernels._head_rows(stored, scale, h, out, n_blocks), V, C, R, dtype, seed)
+
+
+def check_head(head, V, C, R, dtype, seed):
+    """head(stored, scale, h (R, C), out (R, V)) against h @ the compact wte's values, transposed."""
     rng = np.random.default_rng(seed)
     stored, scale = compact.compress("wte", randn(rng, V, C), dtype)
     h, out = randn(rng, R, C), np.empty((R, V), np.float32)
-    kernels._head_rows(stored, scale, h, out, n_blocks)
+    head(stored, scale, h, out)
     np.testing.assert_allclose(out, h @ compact.expand("wte", stored, scale).T, atol=1e-4, rtol=1e-4)
 
 
