@@ -209,14 +209,15 @@ class Job:
     once every choice has finished, or ("error", message) when the engine gives up on it.
     """
 
-    def __init__(self, request: Completion, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request: Completion, loop: asyncio.AbstractEventLoop, tokenizer: Tokenizer):
         self.request, self.loop = request, loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
-        self.unfinished = len(request.prompts) * request.n
-        self.tokens_out = 0
+        # choice p x n + j: prompt p's j-th, with a text decoder of its own
+        self.choices = [_Choice(p * request.n + j, p, tokenizer.stream_decoder())
+                        for p in range(len(request.prompts)) for j in range(request.n)]
+        self.unfinished = len(self.choices)
         self.started = time.perf_counter()
-
         self.outbox: list[tuple] = []  # events not yet handed to the event loop (the engine thread's)
         self.echoed: dict[int, tuple] = {}  # prompt index -> its echo (text, logprobs), for its n choices
 
@@ -256,10 +257,7 @@ class Engine:
         with self._wake:
             if self.queued >= self.max_queue:
                 raise QueueFull
-            decoders = self.tokenizer.stream_decoder
-            for p in range(len(job.request.prompts)):
-                for j in range(job.request.n):
-                    self._waiting.append((job, _Choice(p * job.request.n + j, p, decoders())))
+            self._waiting.extend((job, choice) for choice in job.choices)
             self._wake.notify()
 
     def cancel(self, job: Job) -> None:
@@ -379,7 +377,6 @@ class Engine:
     def _on_token(self, job: Job, choice: _Choice, token: int, done: bool, row: np.ndarray) -> None:
         r = job.request
         choice.tokens += 1
-        job.tokens_out += 1
         logprobs = self._logprobs(row[None], [token], r.logprobs) if r.logprobs is not None else None
         eos = token == self.tokenizer.eot_id and not r.ignore_eos
         text = choice.held + ("" if eos else choice.decode(token))
@@ -490,7 +487,7 @@ def create_app(w: GPT2Weights, tokenizer: Tokenizer, *, model_name: str = "gpt2"
     async def completions(request):
         authorised(request)
         r = parse_completion(await read_json(request), tokenizer, cfg.n_positions, cfg.vocab_size)
-        job = Job(r, asyncio.get_running_loop())
+        job = Job(r, asyncio.get_running_loop(), tokenizer)
         try:
             engine.submit(job)
         except QueueFull:
@@ -541,8 +538,8 @@ def create_app(w: GPT2Weights, tokenizer: Tokenizer, *, model_name: str = "gpt2"
     def _log(job: Job):
         r = job.request
         state = "cancelled" if job.cancelled else "done"
-        log.info("completion %s: %d prompt tokens, %d choices, %d tokens out, %.3f s", state,
-                 sum(map(len, r.prompts)), len(r.prompts) * r.n, job.tokens_out, time.perf_counter() - job.started)
+        log.info("completion %s: %d prompt tokens, %d choices, %d tokens out, %.3f s", state, sum(map(len, r.prompts)),
+                 len(job.choices), sum(c.tokens for c in job.choices), time.perf_counter() - job.started)
 
     async def _sse(job: Job, head: dict):
         r = job.request
