@@ -413,11 +413,16 @@ def _accuracy(g, stored, args):
         oracle = [g.recompute_logits(ids, values) for ids in prompts[:4]]  # float64 is slow: four
         result[dtype] = {
             "max_abs_diff_vs_oracle": max(float(np.abs(a - b).max()) for a, b in zip(logits, oracle)),
-            "max_abs_diff_vs_float32": max(float(np.abs(a - b).max()) for a, b in zip(logits, f32)),
-            "argmax_agreement_with_float32": float(np.mean([a.argmax() == b.argmax() for a, b in zip(logits, f32)])),
-            "prompts": len(prompts),
+            **_versus_float32(logits, f32), "prompts": len(prompts),
         }
     return result
+
+
+def _versus_float32(logits, f32) -> dict:
+    """How far each row of logits is from the float32 model's for the same prompt: the largest |difference|,
+    and the share of prompts with the same argmax."""
+    return {"max_abs_diff_vs_float32": max(float(np.abs(a - b).max()) for a, b in zip(logits, f32)),
+            "argmax_agreement_with_float32": float(np.mean([a.argmax() == b.argmax() for a, b in zip(logits, f32)]))}
 
 
 def _prefill_flops(cfg, T):

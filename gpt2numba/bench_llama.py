@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import _decode_runs, _name, _prefill_runs, _Remote, _systems
+from .bench import _decode_runs, _name, _prefill_runs, _Remote, _systems, _versus_float32
 
 PAIRS = (("float32", "F32"), ("bfloat16", "F16"), ("int8", "Q8_0"), (None, "Q4_0"))
 SAME_MODEL_ATOL = 2e-3
@@ -85,9 +85,7 @@ def _accuracy(systems, w, args):
     prompts = [rng.integers(0, w.config.vocab_size, 32) for _ in range(args.accuracy_prompts)]
     logits = {s.name: [s.call("prefill", ids, logits=True)[2] for ids in prompts] for s in systems}
     reference = logits[_name("float32")]
-    accuracy = {name: {"max_abs_diff_vs_float32": max(float(np.abs(a - b).max()) for a, b in zip(rows, reference)),
-                       "argmax_agreement": float(np.mean([a.argmax() == b.argmax() for a, b in zip(rows, reference)]))}
-                for name, rows in logits.items()}
+    accuracy = {name: _versus_float32(rows, reference) for name, rows in logits.items()}
     return accuracy["llama.cpp F32"]["max_abs_diff_vs_float32"], accuracy
 
 
@@ -104,7 +102,7 @@ def print_report(r):
             a = r["accuracy"][name]
             print(f"{(dtype or '-') + ' / ' + fmt:<18} {name:<20} "
                   + " ".join(f"{_ms(r[kind], key, name):>12}" for kind, key, _ in columns)
-                  + f" {a['max_abs_diff_vs_float32']:>12.2e} {100 * a['argmax_agreement']:>6.0f}%")
+                  + f" {a['max_abs_diff_vs_float32']:>12.2e} {100 * a['argmax_agreement_with_float32']:>6.0f}%")
     print("(ms, medians; prefill: the whole prompt; decode: per token after that many; accuracy against "
           "gpt2numba float32 on the same weights and prompts)")
 
