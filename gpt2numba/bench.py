@@ -1,6 +1,6 @@
 """Benchmark: gpt2numba and Hugging Face transformers on the same weights, beside this machine's floors.
 
-    gpt2numba bench [--model DIR] [--threads 2] [--dtypes float32 bfloat16 int8] [--json bench.json]
+    gpt2numba bench [--model DIR] [--threads 2] [--dtypes float32 bfloat16 int8 int4] [--json bench.json]
     (or python profiling/bench.py)
 
 Prefill time at several prompt lengths, decode ms/token at several contexts, cold
@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .compact import DTYPES
+
 GEMM_SHAPE = (512, 768, 3072)  # (tokens, n_embd, 4 n_embd): GPT-2 small's c_fc at 512 tokens
 RAGGED_BATCH, RAGGED_CONTEXTS = 16, (16, 900)  # the ragged mix: 16 sequences, contexts uniform in [16, 900]
 PREFILL_BATCH = 8  # prompts of --batch-context tokens: one prefill_batch against one prefill after another
@@ -46,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5, help="prefill runs per length (median)")
     p.add_argument("--steps", type=int, default=64, help="decode steps per context (median)")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="array size for the read-bandwidth floor")
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"],
-                   choices=["float32", "bfloat16", "int8"], help="gpt2numba's weight formats to run")
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES, help="gpt2numba's weight formats to run")
     p.add_argument("--accuracy-prompts", type=int, default=16,
                    help="random prompts for the compact formats' accuracy figures")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64],

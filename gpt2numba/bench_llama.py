@@ -1,8 +1,8 @@
 """llama.cpp beside gpt2numba (gpt2numba bench --llama): the same weights as GGUF files, side by side.
 
 Each of gpt2numba's formats runs against the llama.cpp format of the same size:
-float32 / F32, bfloat16 / F16, int8 / Q8_0, and llama.cpp's Q4_0 (its default,
-which keeps the tied embedding and head in Q6_K) on its own. llama.cpp runs in
+float32 / F32, bfloat16 / F16, int8 / Q8_0 and int4 / Q4_0 (llama.cpp's default
+Q4_0, which keeps the tied embedding and head in Q6_K; our int4 keeps them in int4). llama.cpp runs in
 its own worker process through llama-cpp-python (the optional extra [peers]; it
 compiles llama.cpp at install, several minutes on two cores), alternating run by
 run with ours. Before any timing, its F32 logits must match ours to 2e-3 (its
@@ -19,7 +19,7 @@ import numpy as np
 
 from .bench import _decode_runs, _name, _prefill_runs, _Remote, _systems, _versus_float32
 
-PAIRS = (("float32", "F32"), ("bfloat16", "F16"), ("int8", "Q8_0"), (None, "Q4_0"))
+PAIRS = (("float32", "F32"), ("bfloat16", "F16"), ("int8", "Q8_0"), ("int4", "Q4_0"))
 SAME_MODEL_ATOL = 2e-3
 
 
@@ -60,7 +60,7 @@ def run(args, model_dir, w) -> dict:
     report = {"notes": []}
     with tempfile.TemporaryDirectory() as tmp:
         files = {fmt: write_gguf(w, Path(tmp, f"gpt2-{fmt}.gguf"), fmt) for _, fmt in PAIRS}
-        ours = [_Remote(dtype, model_dir, args.threads) for dtype, _ in PAIRS if dtype]
+        ours = [_Remote(dtype, model_dir, args.threads) for dtype, _ in PAIRS]
         theirs = [_Remote(f"llama.cpp {fmt}", files[fmt], args.threads) for _, fmt in PAIRS]
         systems = [*ours, *theirs]
         try:
@@ -98,9 +98,9 @@ def print_report(r):
     print(f"\n{'pair':<18} {'system':<20} " + " ".join(f"{label:>12}" for *_, label in columns)
           + f" {'max|d logit|':>12} {'argmax':>7}")
     for dtype, fmt in PAIRS:
-        for name in ([_name(dtype)] if dtype else []) + [f"llama.cpp {fmt}"]:
+        for name in (_name(dtype), f"llama.cpp {fmt}"):
             a = r["accuracy"][name]
-            print(f"{(dtype or '-') + ' / ' + fmt:<18} {name:<20} "
+            print(f"{dtype + ' / ' + fmt:<18} {name:<20} "
                   + " ".join(f"{_ms(r[kind], key, name):>12}" for kind, key, _ in columns)
                   + f" {a['max_abs_diff_vs_float32']:>12.2e} {100 * a['argmax_agreement_with_float32']:>6.0f}%")
     print("(ms, medians; prefill: the whole prompt; decode: per token after that many; accuracy against "

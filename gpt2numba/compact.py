@@ -1,29 +1,60 @@
-"""Compact weights: bfloat16, and int8 with one float32 scale per group of 32 inputs.
+"""Compact weights: bfloat16; int8 and int4 with one float32 scale per group of 32 inputs.
 
 Only the matrices are compacted (the blocks' four and the tied wte); biases,
-layernorm parameters and wpe stay float32, as do activations and the cache.
-A matrix is grouped along its input dimension: axis -2 of the blocks' [in, out]
-matrices, axis -1 of wte, which the head reads as [out, in].
+layernorm parameters and wpe stay float32, as does the cache.
+
+bfloat16 keeps the model's layouts: the blocks' matrices [in, out], wte [out, in].
+The integer formats keep every matrix [out, in], so that a group of GROUP inputs
+is contiguous and an output is one dot product along a row, the walk of the
+integer kernels; wte is [out, in] already. Each group has a float32 scale, and
+values are symmetric: int8 in [-127, 127], int4 in [-7, 7], stored as value + 8
+in a nibble, two per byte: byte j of a group holds input j in its low nibble and
+input j + GROUP/2 in its high one, so the two halves unpack with one mask and one
+shift each.
+
+The integer formats quantise the inputs of their matrix products too, as
+llama.cpp's Q8_0 and Q4_0 do: each row of activations becomes int8 per group
+of GROUP, with one float32 scale, so that products are int8 x int8 in int32.
+Every path that multiplies by an integer matrix (one row, a few, a long
+prefill through BLAS) uses the same rounded inputs, so the paths agree.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-DTYPES = ("float32", "bfloat16", "int8")
-STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "int8": np.int8}  # bfloat16 as its bits
+DTYPES = ("float32", "bfloat16", "int8", "int4")
+INTEGER = ("int8", "int4")
+STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "int8": np.int8, "int4": np.uint8}  # bfloat16 as its bits
+LEVELS = {"int8": 127, "int4": 7}  # the largest |value| of each integer format
 MATRICES = ("wte", "c_attn_w", "attn_c_proj_w", "c_fc_w", "mlp_c_proj_w")
-GROUP = 32  # inputs per int8 scale; divides every GPT-2 width (768, 1024, 1280, 1600 and 4x those)
+GROUP = 32  # inputs per scale; divides every GPT-2 width (768, 1024, 1280, 1600 and 4x those)
 
 
-def input_axis(field: str) -> int:
-    return -1 if field == "wte" else -2
+def to_rows(field: str, a: np.ndarray) -> np.ndarray:
+    """A matrix (any leading axes) in the model's layout as [out, in] (a view); wte already is."""
+    return a if field == "wte" else np.swapaxes(a, -1, -2)
+
+
+from_rows = to_rows  # [out, in] back to the model's layout: the same swap
+
+
+def stored_shape(field: str, shape: tuple, dtype: str) -> tuple:
+    """Shape in which ``dtype`` stores a matrix of the model's ``shape``."""
+    if dtype not in INTEGER:
+        return shape
+    rows = _rows_shape(field, shape)
+    return rows[:-1] + (rows[-1] // 2,) if dtype == "int4" else rows
 
 
 def scale_shape(field: str, shape: tuple) -> tuple:
-    """Shape of the int8 scales of a matrix of ``shape`` (any leading axes)."""
-    axis = len(shape) + input_axis(field)
-    return shape[:axis] + (shape[axis] // GROUP,) + shape[axis + 1:]
+    """Shape of the integer formats' scales of a matrix of the model's ``shape``: [out, in // GROUP]."""
+    rows = _rows_shape(field, shape)
+    return rows[:-1] + (rows[-1] // GROUP,)
+
+
+def _rows_shape(field, shape):
+    return tuple(shape) if field == "wte" else tuple(shape[:-2]) + (shape[-1], shape[-2])
 
 
 def to_bfloat16(a: np.ndarray) -> np.ndarray:
@@ -37,40 +68,68 @@ def from_bfloat16(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def quantize(field: str, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 per group of GROUP inputs: a ~= q * scale, q in [-127, 127]."""
-    grouped, axis = _grouped(field, a)
-    amax = np.abs(grouped).max(axis=axis, keepdims=True)
-    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
-    q = np.clip(np.rint(grouped / scale), -127, 127).astype(np.int8)
-    return q.reshape(a.shape), np.squeeze(scale, axis=axis)
+def quantize(a: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric ``dtype`` per group of GROUP along the last axis: a ~= q * scale.
+
+    a: float32 [..., in] -> (int8 [..., in], or packed uint8 [..., in // 2] for int4;
+    float32 scales [..., in // GROUP]).
+    """
+    levels = np.float32(LEVELS[dtype])
+    grouped = _grouped(a)
+    amax = np.abs(grouped).max(axis=-1, keepdims=True)
+    scale = np.where(amax > 0, amax / levels, np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(grouped / scale), -levels, levels).astype(np.int8).reshape(a.shape)
+    return (pack(q) if dtype == "int4" else q), scale[..., 0]
 
 
-def dequantize(field: str, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    grouped, axis = _grouped(field, q)
-    return (grouped * np.expand_dims(scale, axis)).astype(np.float32).reshape(q.shape)
+def dequantize(stored: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """float32 [..., in] values of int8 ``stored`` [..., in], or int4 packed as uint8 [..., in // 2]."""
+    q = unpack(stored) if stored.dtype == np.uint8 else stored
+    return (_grouped(q) * scale[..., None]).astype(np.float32).reshape(q.shape)
+
+
+def pack(q: np.ndarray) -> np.ndarray:
+    """int8 values in [-8, 7], [..., in] -> uint8 [..., in // 2], two nibbles a byte (see above)."""
+    halves = _grouped(q.astype(np.int16) + 8).reshape(*q.shape[:-1], -1, 2, GROUP // 2)
+    return (halves[..., 0, :] | halves[..., 1, :] << 4).astype(np.uint8).reshape(*q.shape[:-1], -1)
+
+
+def unpack(p: np.ndarray) -> np.ndarray:
+    """uint8 [..., in // 2] -> int8 [..., in], the values pack() packed."""
+    p = p.reshape(*p.shape[:-1], -1, GROUP // 2)
+    q = np.stack([p & 15, p >> 4], axis=-2).astype(np.int8) - np.int8(8)
+    return q.reshape(*p.shape[:-2], -1)
+
+
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The integer formats' inputs: int8 per group of GROUP, scale = max|x| / 127 in float32,
+    q = rint(x / scale) (0 where a group is all zeros). x: float32 [..., K]. The kernels'
+    _quantize_rows computes the same, bit for bit."""
+    grouped = _grouped(np.asarray(x, np.float32))
+    scale = (np.abs(grouped).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale > 0, np.rint(grouped / scale), 0).astype(np.int8)
+    return q.reshape(x.shape), scale[..., 0]
 
 
 def compress(field: str, a: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """(stored matrix, int8 scales or None) of float32 ``a`` in ``dtype``."""
+    """(stored matrix, scales or None) of float32 ``a`` (the model's layout) in ``dtype``."""
     if dtype == "bfloat16":
         return to_bfloat16(a), None
-    if dtype == "int8":
-        return quantize(field, a)
+    if dtype in INTEGER:
+        return quantize(np.ascontiguousarray(to_rows(field, a), np.float32), dtype)
     return np.ascontiguousarray(a, np.float32), None
 
 
 def expand(field: str, stored: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
-    """float32 values of a stored matrix, whatever its format."""
+    """float32 values of a stored matrix in the model's layout, whatever its format."""
     if stored.dtype == np.uint16:
         return from_bfloat16(stored)
-    if stored.dtype == np.int8:
-        return dequantize(field, stored, scale)
+    if scale is not None:
+        return np.ascontiguousarray(from_rows(field, dequantize(stored, scale)))
     return stored
 
 
-def _grouped(field, a):
-    """``a`` with its input axis split into (groups, GROUP), and the axis of GROUP."""
-    axis = a.ndim + input_axis(field)
-    shape = a.shape[:axis] + (a.shape[axis] // GROUP, GROUP) + a.shape[axis + 1:]
-    return a.reshape(shape), axis + 1
+def _grouped(a):
+    """``a`` with its last axis split into (groups, GROUP)."""
+    return a.reshape(*a.shape[:-1], a.shape[-1] // GROUP, GROUP)

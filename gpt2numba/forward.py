@@ -27,6 +27,7 @@ from numba import typed
 from . import checks, compact
 from .config import GPT2Config
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
+from .intkernels import INT_ROWS_MAX, _int_rows, _quantize_rows, _round_rows, _widen_matrix
 from .kernels import (
     ATTEND_TILE,
     HEAD_ROWS_MAX,
@@ -34,17 +35,16 @@ from .kernels import (
     _attend,
     _attention_plan,
     _expand_bf16,
-    _expand_int8,
     _gelu,
     _gemv_bf16,
-    _gemv_int8,
     _head,
     _head_bf16,
-    _head_int8,
+    _head_integer,
     _head_rows,
     _layernorm,
     _linear,
     _linear_rows,
+    _linear_t,
     _write_kv,
 )
 from .kvcache import ModelCache
@@ -257,23 +257,39 @@ def _matmul(x, field, layer, b, out, accumulate, w, work, threads):
     """out (+)= x @ (layer's matrix ``field``) + b, whatever the matrix's storage."""
     T, K = x.shape
     matrix = getattr(w, field)[layer]
-    scale = w.scales[field][layer] if w.scales else None
+    if w.scales:
+        _integer_matmul(x, matrix, w.scales[field][layer], b, out, accumulate, work, threads)
+        return
     scratch = work.scratch(T, threads)
     if 2 <= T <= ROWS_MAX and K % 8 == 0:  # a few rows read the matrix as stored
-        _linear_rows(x, matrix, scale, b, scratch, out, accumulate, threads)
+        _linear_rows(x, matrix, b, scratch, out, accumulate, threads)
     elif w.dtype == "float32":
         _linear(x, matrix, b, scratch, out, accumulate, threads, _split_k(T))
-    elif T == 1 and w.dtype == "bfloat16":  # one row reads the compact matrix itself
+    elif T == 1:  # one row reads the bfloat16 matrix itself
         _gemv_bf16(x, matrix, b, scratch, out, accumulate, threads)
-    elif T == 1:
-        _gemv_int8(x, matrix, scale, b, scratch, out, accumulate, threads)
     else:  # many rows: widen the matrix once, then multiply as float32
         dense = work.dense(matrix.shape)
-        if w.dtype == "bfloat16":
-            _expand_bf16(matrix, dense)
-        else:
-            _expand_int8(matrix, scale, dense)
+        _expand_bf16(matrix, dense)
         _linear(x, dense, b, scratch, out, accumulate, threads, _split_k(T))
+
+
+def _integer_matmul(x, q, scale, b, out, accumulate, work, threads):
+    """out (+)= x @ W.T (+ b) for an int8 or int4 matrix W [out, in], its input rounded to int8 per group.
+
+    A few rows multiply in integers, reading W as stored; more widen W and round x to
+    the same int8 values, then BLAS (see compact.py).
+    """
+    T, K = x.shape
+    if T <= INT_ROWS_MAX:
+        xq, xs = work.quantized(T, K)
+        _quantize_rows(x, xq, xs)
+        _int_rows(xq, xs, q, scale, b, out, accumulate, threads)
+        return
+    rounded = work.rounded(T, K)
+    _round_rows(x, rounded)
+    dense = work.dense((q.shape[0], K))
+    _widen_matrix(q, scale, dense)
+    _linear_t(rounded, dense, b, work.scratch(T, threads), out, accumulate, threads)
 
 
 def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None = None):
@@ -286,17 +302,33 @@ def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None
     def head(h: np.ndarray, threads: int) -> np.ndarray:
         # the tied head wte; BLAS already pinned by _forward
         logits = np.empty((len(h), V), np.float32) if out is None else out
-        scale = w.scales["wte"] if w.scales else None
-        if 2 <= len(h) <= HEAD_ROWS_MAX:
-            _head_rows(w.wte, scale, h, logits, threads)
+        if w.scales:
+            _integer_head(w, h, logits, threads)
+        elif 2 <= len(h) <= HEAD_ROWS_MAX:
+            _head_rows(w.wte, h, logits, threads)
         elif w.dtype == "float32":
             _head(w.wte, h, logits, threads)
-        elif w.dtype == "bfloat16":
-            _head_bf16(w.wte, h, logits, threads)
         else:
-            _head_int8(w.wte, scale, h, logits, threads)
+            _head_bf16(w.wte, h, logits, threads)
         return logits
     return head
+
+
+def _integer_head(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, threads: int) -> None:
+    """logits = h @ wte.T for int8 or int4 wte: a few rows in integers, more widened for BLAS, as _integer_matmul."""
+    if len(h) <= INT_ROWS_MAX:
+        hq, hs = compact.quantize_rows(h)
+        _int_rows(hq, hs, w.wte, w.scales["wte"], None, logits, False, threads)
+    else:
+        _head_integer(w.wte, w.scales["wte"], head_inputs(w, h), logits, threads)
+
+
+def head_inputs(w: GPT2Weights, h: np.ndarray) -> np.ndarray:
+    """The rows the head multiplies through BLAS: h itself, or for the integer formats h rounded
+    to int8 per group (in place; h: float32 (R, C), the caller's own), as every integer product."""
+    if w.scales:
+        _round_rows(h, h)
+    return h
 
 
 def _split_k(T: int) -> bool:
@@ -332,6 +364,10 @@ class _Workspace:
         self.attend = np.empty((threads, ATTEND_TILE * (cfg.head_dim + cfg.n_positions)), np.float32)
         self._scratch = np.empty(0, np.float32)
         self._dense = np.empty(0, np.float32)
+        # the integer formats' inputs: int8 rows and their scales, or rounded back to float32
+        self._int8 = np.empty(0, np.int8)
+        self._int8_scales = np.empty(0, np.float32)
+        self._rounded = np.empty(0, np.float32)
 
     def scratch(self, T: int, threads: int) -> np.ndarray:
         """Where matrix products land first: T rows, or T partial rows per thread (flat)."""
@@ -339,6 +375,19 @@ class _Workspace:
         if self._scratch.size < need:  # grows with the rows, or when the thread count grows
             self._scratch = np.empty(need, np.float32)
         return self._scratch
+
+    def quantized(self, T: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+        """int8 (T, K) and float32 (T, K // GROUP) for T rows of inputs quantised per group."""
+        if self._int8.size < T * K:
+            self._int8 = np.empty(T * self.width, np.int8)
+            self._int8_scales = np.empty(T * self.width // compact.GROUP, np.float32)
+        return self._int8[: T * K].reshape(T, K), self._int8_scales[: T * K // compact.GROUP].reshape(T, -1)
+
+    def rounded(self, T: int, K: int) -> np.ndarray:
+        """float32 (T, K) for inputs rounded to the integer formats' values."""
+        if self._rounded.size < T * K:
+            self._rounded = np.empty(T * self.width, np.float32)
+        return self._rounded[: T * K].reshape(T, K)
 
     def dense(self, shape: tuple) -> np.ndarray:
         """A float32 buffer of ``shape`` for one widened compact matrix (many rows only)."""

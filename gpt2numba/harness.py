@@ -34,7 +34,7 @@ class GPT2NumbaLM(TemplateLM):
     """The harness's LM interface over gpt2numba.
 
     model: a checkpoint directory, .safetensors file or hub name (default: $GPT2NUMBA_WEIGHTS, else
-    random GPT-2 small); dtype: float32, bfloat16 or int8; threads; batch_size: sequences generated
+    random GPT-2 small); dtype: float32, bfloat16, int8 or int4; threads; batch_size: sequences generated
     together; max_gen_toks: the default cap of generate_until (256, or half a shorter context); max_length:
     the context the harness may use (default n_positions; as the HF backend's argument). The harness's device and
     max_batch_size arguments mean nothing on this CPU engine and are ignored.

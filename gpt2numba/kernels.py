@@ -22,7 +22,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from .compact import GROUP as _GROUP  # a compile-time constant: fixed-length group loops vectorise
+from .intkernels import _widen_group
 
 # LLVM fast-math minus nnan/ninf: reassociation lets reductions vectorise, while
 # comparisons with inf or nan keep their meaning.
@@ -157,18 +157,38 @@ def _linear(x, w, b, scratch, out, accumulate, n_blocks, split_k):
                         out[i, j] = out[i, j] + s if accumulate else s
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def _linear_t(x, wt, b, scratch, out, accumulate, n_blocks):
+    """out (+)= x @ wt.T + b for weights stored [out, in] (the integer formats' widened matrices).
+
+    x: (T, K); wt: (N, K); b: (N,); out: (T, N); scratch: flat float32 of at least T * N.
+    Each thread takes a block of wt's rows: one single-threaded BLAS product.
+    """
+    T = x.shape[0]
+    N = wt.shape[0]
+    step = ((N + n_blocks - 1) // n_blocks + 15) // 16 * 16
+    for blk in prange(n_blocks):
+        lo, hi = min(N, blk * step), min(N, (blk + 1) * step)
+        if lo < hi:
+            part = scratch[T * lo: T * hi].reshape(T, hi - lo)
+            np.dot(x, wt[lo:hi].T, part)
+            for i in range(T):
+                for j in range(hi - lo):
+                    v = part[i, j] + b[lo + j]
+                    out[i, lo + j] = out[i, lo + j] + v if accumulate else v
+
+
 # Up to this many rows, _head_rows beats the head's BLAS products and the compact
 # heads' widened chunks (measured on 2 cores, GPT-2 small: 1.6x at 8 rows in float32,
-# 2.2x in bfloat16, 1.6x in int8; from about 32 rows int8's chunks win).
+# 2.2x in bfloat16).
 HEAD_ROWS_MAX = 16
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _head_rows(wte, scale, h, out, n_blocks):
-    """Tied output head for a few rows: out = h @ W.T, W = widen(wte) (* scale), read as stored.
+def _head_rows(wte, h, out, n_blocks):
+    """Tied output head for a few rows: out = h @ W.T, W = widen(wte), read as stored.
 
-    wte: (V, C) float32, bfloat16 bits or int8; scale: (V, C // GROUP) int8 scales, or
-    None; h: (R, C); out: (R, V). Each thread streams a block of vocabulary rows, four
+    wte: (V, C) float32 or bfloat16 bits; h: (R, C); out: (R, V). Each thread streams a block of vocabulary rows, four
     at a time, and takes every row's dot products with them while they are in cache.
     """
     V = wte.shape[0]
@@ -176,37 +196,24 @@ def _head_rows(wte, scale, h, out, n_blocks):
     for blk in prange(n_blocks):
         lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
         for v in range(lo, hi - 3, 4):
-            _head_dots(h, wte, scale, v, 4, out)
+            _head_dots(h, wte, v, 4, out)
         for v in range(hi - (hi - lo) % 4, hi):
-            _head_dots(h, wte, scale, v, 1, out)
+            _head_dots(h, wte, v, 1, out)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _head_dots(h, wte, scale, v, n, out):
+def _head_dots(h, wte, v, n, out):
     """out[:, v:v+n] = h @ W[v:v+n].T for n = 4 vocabulary rows, or 1 (the last ones)."""
     R, C = h.shape
     w0, w1, w2, w3 = wte[v], wte[v + n // 4], wte[v + 2 * (n // 4)], wte[v + 3 * (n // 4)]
     for r in range(R):
         x = h[r]
         s0 = s1 = s2 = s3 = np.float32(0.0)
-        if scale is None:
-            for c in range(C):
-                s0 += x[c] * _widen(w0[c])
-                s1 += x[c] * _widen(w1[c])
-                s2 += x[c] * _widen(w2[c])
-                s3 += x[c] * _widen(w3[c])
-        else:
-            for g in range(C // _GROUP):
-                t0 = t1 = t2 = t3 = np.float32(0.0)
-                for c in range(g * _GROUP, (g + 1) * _GROUP):
-                    t0 += x[c] * _widen(w0[c])
-                    t1 += x[c] * _widen(w1[c])
-                    t2 += x[c] * _widen(w2[c])
-                    t3 += x[c] * _widen(w3[c])
-                s0 += scale[v, g] * t0
-                s1 += scale[v + n // 4, g] * t1
-                s2 += scale[v + 2 * (n // 4), g] * t2
-                s3 += scale[v + 3 * (n // 4), g] * t3
+        for c in range(C):
+            s0 += x[c] * _widen(w0[c])
+            s1 += x[c] * _widen(w1[c])
+            s2 += x[c] * _widen(w2[c])
+            s3 += x[c] * _widen(w3[c])
         out[r, v] = s0
         if n == 4:
             out[r, v + 1], out[r, v + 2], out[r, v + 3] = s1, s2, s3
@@ -219,7 +226,7 @@ HEAD_CHUNK = 512
 
 
 def _widen(v):
-    """A stored weight as float32: itself, bfloat16 bits (uint16) or an int8 (scaled elsewhere)."""
+    """A stored weight as float32: itself, or bfloat16 bits (uint16)."""
 
 
 @overload(_widen, inline="always")
@@ -230,10 +237,10 @@ def _widen_typed(v):
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _rows_update(x, t, u, k, w, scale, lo, hi, a, b):
-    """a += x[t, k:k+8] @ W[k:k+8, lo:hi] and b += x[u, k:k+8] @ W[k:k+8, lo:hi], W = widen(w) * scale.
+def _rows_update(x, t, u, k, w, lo, hi, a, b):
+    """a += x[t, k:k+8] @ W[k:k+8, lo:hi] and b += x[u, k:k+8] @ W[k:k+8, lo:hi], W = widen(w).
 
-    The eight weight rows are read once for both rows of x. scale: int8 scales (K // GROUP, N) or None.
+    The eight weight rows are read once for both rows of x.
     """
     x0, x1, x2, x3, x4, x5, x6, x7 = x[t, k], x[t, k + 1], x[t, k + 2], x[t, k + 3], \
         x[t, k + 4], x[t, k + 5], x[t, k + 6], x[t, k + 7]
@@ -241,19 +248,11 @@ def _rows_update(x, t, u, k, w, scale, lo, hi, a, b):
         x[u, k + 4], x[u, k + 5], x[u, k + 6], x[u, k + 7]
     r0, r1, r2, r3, r4, r5, r6, r7 = w[k, lo:hi], w[k + 1, lo:hi], w[k + 2, lo:hi], w[k + 3, lo:hi], \
         w[k + 4, lo:hi], w[k + 5, lo:hi], w[k + 6, lo:hi], w[k + 7, lo:hi]
-    if scale is None:
-        for j in range(hi - lo):
-            v0, v1, v2, v3 = _widen(r0[j]), _widen(r1[j]), _widen(r2[j]), _widen(r3[j])
-            v4, v5, v6, v7 = _widen(r4[j]), _widen(r5[j]), _widen(r6[j]), _widen(r7[j])
-            a[j] += ((x0 * v0 + x1 * v1) + (x2 * v2 + x3 * v3)) + ((x4 * v4 + x5 * v5) + (x6 * v6 + x7 * v7))
-            b[j] += ((y0 * v0 + y1 * v1) + (y2 * v2 + y3 * v3)) + ((y4 * v4 + y5 * v5) + (y6 * v6 + y7 * v7))
-    else:  # the eight rows share one group's scales
-        s = scale[k // _GROUP, lo:hi]
-        for j in range(hi - lo):
-            v0, v1, v2, v3 = _widen(r0[j]), _widen(r1[j]), _widen(r2[j]), _widen(r3[j])
-            v4, v5, v6, v7 = _widen(r4[j]), _widen(r5[j]), _widen(r6[j]), _widen(r7[j])
-            a[j] += s[j] * (((x0 * v0 + x1 * v1) + (x2 * v2 + x3 * v3)) + ((x4 * v4 + x5 * v5) + (x6 * v6 + x7 * v7)))
-            b[j] += s[j] * (((y0 * v0 + y1 * v1) + (y2 * v2 + y3 * v3)) + ((y4 * v4 + y5 * v5) + (y6 * v6 + y7 * v7)))
+    for j in range(hi - lo):
+        v0, v1, v2, v3 = _widen(r0[j]), _widen(r1[j]), _widen(r2[j]), _widen(r3[j])
+        v4, v5, v6, v7 = _widen(r4[j]), _widen(r5[j]), _widen(r6[j]), _widen(r7[j])
+        a[j] += ((x0 * v0 + x1 * v1) + (x2 * v2 + x3 * v3)) + ((x4 * v4 + x5 * v5) + (x6 * v6 + x7 * v7))
+        b[j] += ((y0 * v0 + y1 * v1) + (y2 * v2 + y3 * v3)) + ((y4 * v4 + y5 * v5) + (y6 * v6 + y7 * v7))
 
 
 # Up to this many rows, _linear_rows beats single-threaded BLAS blocks (measured on 2 cores,
@@ -262,11 +261,10 @@ ROWS_MAX = 64
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _linear_rows(x, w, scale, b, scratch, out, accumulate, n_blocks):
-    """out (+)= x @ W + b for a few rows, reading W as stored: float32, bfloat16 bits or int8.
+def _linear_rows(x, w, b, scratch, out, accumulate, n_blocks):
+    """out (+)= x @ W + b for a few rows, reading W as stored: float32 or bfloat16 bits.
 
-    x: (T, K), K a multiple of 8; w: (K, N); scale: (K // GROUP, N) int8 scales, or None;
-    b: (N,); out: (T, N); scratch: flat float32 of at least (T + 1) * N. Each thread
+    x: (T, K), K a multiple of 8; w: (K, N); b: (N,); out: (T, N); scratch: flat float32 of at least (T + 1) * N. Each thread
     takes a block of columns and streams its part of w eight rows at a time, updating
     two rows of accumulators per pass: every weight read serves two rows of x (an odd
     last row is paired with itself, its twin's sums going to a spare row).
@@ -281,7 +279,7 @@ def _linear_rows(x, w, scale, b, scratch, out, accumulate, n_blocks):
         acc[:] = 0.0
         for k in range(0, K, 8):
             for t in range(0, T, 2):
-                _rows_update(x, t, min(t + 1, T - 1), k, w, scale, lo, hi, acc[t], acc[t + 1])
+                _rows_update(x, t, min(t + 1, T - 1), k, w, lo, hi, acc[t], acc[t + 1])
         for t in range(T):
             for j in range(hi - lo):
                 v = acc[t, j] + b[lo + j]
@@ -421,10 +419,11 @@ def _stream_sum(a):
     return total
 
 
-# --- compact weights (see compact.py): bfloat16 bits as uint16, int8 with per-group scales -------
+# --- compact weights (see compact.py): bfloat16 bits as uint16 -----------------------------------
 # One row (a decode step) and a few (_linear_rows, _head_rows) read them directly,
 # widening in registers; a long prefill widens one matrix at a time into a float32
-# buffer and multiplies with BLAS.
+# buffer and multiplies with BLAS. The integer formats' own kernels are in intkernels.py;
+# their heads over many rows are here, beside bfloat16's.
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
@@ -445,39 +444,6 @@ def _gemv_bf16(x, w, b, scratch, out, accumulate, n_blocks):
             xk = x[0, k]
             for j in range(N):
                 acc[j] += xk * _as_float32(np.uint32(row[j]) << 16)
-    _reduce(partial, b, out, accumulate)
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _gemv_int8(x, q, scale, b, scratch, out, accumulate, n_blocks):
-    """out (+)= x @ (q * scale) + b for one token, q int8 in groups of GROUP rows.
-
-    x: (1, K); q: int8 (K, N); scale: (K // GROUP, N); b: (N,); out: (1, N);
-    scratch: flat float32 of at least 2 * n_blocks * N. Threads take blocks of groups.
-    """
-    K, N = q.shape
-    groups = K // _GROUP
-    partial = scratch[: n_blocks * N].reshape(n_blocks, N)
-    in_group = scratch[n_blocks * N: 2 * n_blocks * N].reshape(n_blocks, N)
-    step = (groups + n_blocks - 1) // n_blocks
-    for blk in prange(n_blocks):
-        acc, gacc = partial[blk], in_group[blk]
-        acc[:] = 0.0
-        for g in range(min(groups, blk * step), min(groups, (blk + 1) * step)):
-            gacc[:] = 0.0
-            for kk in range(0, _GROUP, 8):  # eight rows per pass: an eighth of the traffic on gacc
-                k = g * _GROUP + kk
-                r0, r1, r2, r3, r4, r5, r6, r7 = q[k], q[k + 1], q[k + 2], q[k + 3], q[k + 4], q[k + 5], q[k + 6], q[k + 7]
-                x0, x1, x2, x3 = x[0, k], x[0, k + 1], x[0, k + 2], x[0, k + 3]
-                x4, x5, x6, x7 = x[0, k + 4], x[0, k + 5], x[0, k + 6], x[0, k + 7]
-                for j in range(N):
-                    gacc[j] += ((x0 * np.float32(r0[j]) + x1 * np.float32(r1[j]))
-                                + (x2 * np.float32(r2[j]) + x3 * np.float32(r3[j]))
-                                + (x4 * np.float32(r4[j]) + x5 * np.float32(r5[j]))
-                                + (x6 * np.float32(r6[j]) + x7 * np.float32(r7[j])))
-            s = scale[g]
-            for j in range(N):
-                acc[j] += s[j] * gacc[j]
     _reduce(partial, b, out, accumulate)
 
 
@@ -515,32 +481,20 @@ def _head_bf16(wte, h, out, n_blocks):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _head_int8(q, scale, h, out, n_blocks):
-    """out = h @ (q * scale).T, q int8 (V, C) in groups of GROUP columns; scale: (V, C // GROUP);
-    h: (R, C); out: (R, V). One row in registers, several through BLAS, as _head_bf16."""
-    V, C = q.shape
-    R = h.shape[0]
+def _head_integer(q, scale, h, out, n_blocks):
+    """out = h @ W.T for many rows, W int8 or int4 (V, C) with scales (V, C // GROUP), h already
+    rounded as the integer formats' inputs are (intkernels._round_rows); out: (R, V). Each thread
+    widens HEAD_CHUNK vocabulary rows of its block at a time, then BLAS."""
+    V = q.shape[0]
     step = (V + n_blocks - 1) // n_blocks
     for blk in prange(n_blocks):
-        lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
-        if R == 1:
-            lanes = np.empty(_GROUP, np.float32)  # per-lane sums across groups: one reduction per row
-            for v in range(lo, hi):
-                row = q[v]
-                lanes[:] = 0.0
-                for g in range(C // _GROUP):
-                    sg = scale[v, g]
-                    for c in range(_GROUP):
-                        lanes[c] += sg * np.float32(row[g * _GROUP + c]) * h[0, g * _GROUP + c]
-                out[0, v] = lanes.sum()
-            continue
-        _head_widened(q, scale, h, lo, hi, out)
+        _head_widened(q, scale, h, min(V, blk * step), min(V, (blk + 1) * step), out)
 
 
 @njit(cache=True, nogil=True)
 def _head_widened(wte, scale, h, lo, hi, out):
     """out[:, lo:hi] = h @ W[lo:hi].T for compact wte: HEAD_CHUNK rows at a time widened, then BLAS."""
-    dense = np.empty((HEAD_CHUNK, wte.shape[1]), np.float32)
+    dense = np.empty((HEAD_CHUNK, h.shape[1]), np.float32)
     scores = np.empty(h.shape[0] * HEAD_CHUNK, np.float32)
     for c0 in range(lo, hi, HEAD_CHUNK):
         c1 = min(hi, c0 + HEAD_CHUNK)
@@ -550,34 +504,33 @@ def _head_widened(wte, scale, h, lo, hi, out):
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _widen_rows(wte, scale, c0, c1, dense):
-    """dense[:c1 - c0] = float32 values of wte rows c0..c1-1 (times their int8 scales if ``scale``).
+    """dense[:c1 - c0] = float32 values of wte rows c0..c1-1 (times their scales if ``scale``).
 
-    wte: (V, C) float32, bfloat16 bits or int8; scale: (V, C // GROUP) or None; dense: (>= c1 - c0, C).
+    wte: float32 or bfloat16 bits (V, C), or int8 (V, C) or packed int4 (V, C // 2) with
+    scale: (V, C // GROUP), else None; dense: (>= c1 - c0, C).
     """
-    C = wte.shape[1]
     for v in range(c0, c1):
         if scale is None:
-            for c in range(C):
+            for c in range(wte.shape[1]):
                 dense[v - c0, c] = _widen(wte[v, c])
         else:
-            for c in range(C):
-                dense[v - c0, c] = _widen(wte[v, c]) * scale[v, c // _GROUP]
+            for g in range(scale.shape[1]):
+                _widen_group(wte[v], g, scale[v, g], dense[v - c0])
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _head_log_softmax(wte, scale, h, targets, logprob, best, n_blocks):
     """log softmax(h @ W.T) at each row's target, and each row's argmax, with no (R, V) array.
 
-    wte: (V, C) float32, bfloat16 bits or int8; scale: (V, C // GROUP) int8 scales or None;
-    h: (R, C); targets: int64 (R,), ids in [0, V) or -1 for a row with none (its logprob
-    is nan); logprob: float64 (R,); best: int64 (R,), the lowest id of the largest logit.
+    wte, scale: as _widen_rows takes them; h: (R, C), rounded first for the integer formats;
+    targets: int64 (R,), ids in [0, V) or -1 for a row with none (its logprob is nan); logprob: float64 (R,); best: int64 (R,), the lowest id of the largest logit.
     Each thread takes a block of the vocabulary in chunks of HEAD_CHUNK rows (widened
     to float32, then one BLAS product for every row) and keeps, per row, a running max,
     the sum of exp(logit - max) and the argmax; the blocks are merged at the end:
     memory is O(R x threads + chunk).
     """
-    V, C = wte.shape
-    R = h.shape[0]
+    V = wte.shape[0]
+    R, C = h.shape
     step = (V + n_blocks - 1) // n_blocks
     peak = np.full((n_blocks, R), -np.inf)  # float64: running max per block and row
     total = np.zeros((n_blocks, R))          # sum of exp(logit - peak)
@@ -637,13 +590,3 @@ def _expand_bf16(w, out):
     for k in prange(K):
         for j in range(N):
             out[k, j] = _as_float32(np.uint32(w[k, j]) << 16)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _expand_int8(q, scale, out):
-    """out = q * scale, groups of GROUP rows. q: int8 (K, N); scale: (K // GROUP, N); out: (K, N)."""
-    K, N = q.shape
-    for k in prange(K):
-        s = scale[k // _GROUP]
-        for j in range(N):
-            out[k, j] = np.float32(q[k, j]) * s[j]

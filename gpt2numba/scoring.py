@@ -16,7 +16,7 @@ import numpy as np
 
 from . import checks
 from .errors import ConfigError, TokenTypeError
-from .forward import _forward
+from .forward import _forward, head_inputs
 from .kernels import _head_log_softmax
 from .kvcache import ModelCache
 from .sample import _tokenizer
@@ -182,7 +182,7 @@ def _score_windows(windows: list[np.ndarray], w: GPT2Weights,
 
     def head(h, threads):
         logprob, best = np.empty(len(h)), np.empty(len(h), np.int64)
-        _head_log_softmax(w.wte, scale, h, targets, logprob, best, threads)
+        _head_log_softmax(w.wte, scale, head_inputs(w, h), targets, logprob, best, threads)
         return logprob, best
 
     logprob, best = _forward(windows, w, caches, head, every_row=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from . import checks, compact
-from .compact import DTYPES, MATRICES, STORAGE
+from .compact import DTYPES, INTEGER, MATRICES, STORAGE
 from .config import HEAD_DIM, GPT2Config
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
 
@@ -60,8 +60,10 @@ class GPT2Weights:
     V = vocab_size, P = n_positions); matrices are [in, out], so ``x @ w + b``.
     The output head is tied: logits = ln_f(x) @ wte.T. With ``dtype`` "bfloat16"
     the matrices (wte and the blocks' four) hold bfloat16 bits as uint16; with
-    "int8" they hold int8 and ``scales`` maps each to its float32 per-group scales
-    (see compact.py). Everything else is float32 always.
+    "int8" or "int4" they are stored [out, in] as int8 or as packed nibbles (uint8),
+    and ``scales`` maps each to its float32 per-group scales (see compact.py).
+    ``matrix(field)`` gives any of them as float32 in the layout above.
+    Everything else is float32 always.
     """
 
     config: GPT2Config
@@ -81,17 +83,18 @@ class GPT2Weights:
     mlp_c_proj_b: np.ndarray   # (L, C)
     ln_f_g: np.ndarray         # (C,)
     ln_f_b: np.ndarray         # (C,)
-    dtype: str = "float32"     # of the matrices: "float32", "bfloat16" or "int8"
-    scales: dict | None = None  # int8: matrix field -> float32 scales, compact.scale_shape
+    dtype: str = "float32"     # of the matrices: "float32", "bfloat16", "int8" or "int4"
+    scales: dict | None = None  # int8, int4: matrix field -> float32 scales, compact.scale_shape
 
     def __post_init__(self):
         _check_dtype(self.dtype, self.config)
-        if (self.scales is not None) != (self.dtype == "int8"):
-            raise ConfigError("int8 weights need scales, and only int8 weights have them")
+        if (self.scales is not None) != (self.dtype in INTEGER):
+            raise ConfigError("int8 and int4 weights need scales, and only they have them")
         arrays = [(field, shape, STORAGE[self.dtype] if field in MATRICES else np.float32)
                   for field, shape in _field_shapes(self.config)]
         for field, shape, dtype in arrays:
-            object.__setattr__(self, field, _checked(field, getattr(self, field), shape, dtype))
+            stored = compact.stored_shape(field, shape, self.dtype) if field in MATRICES else shape
+            object.__setattr__(self, field, _checked(field, getattr(self, field), stored, dtype))
         if self.scales is not None:
             scales = {field: _checked(f"scales[{field!r}]", self.scales.get(field),
                                       compact.scale_shape(field, shape), np.float32)
@@ -115,7 +118,7 @@ class GPT2Weights:
         stored = {field: compact.compress(field, self.matrix(field), dtype) for field in MATRICES}
         return dataclasses.replace(
             self, dtype=dtype, **{field: a for field, (a, _) in stored.items()},
-            scales={field: s for field, (_, s) in stored.items()} if dtype == "int8" else None)
+            scales={field: s for field, (_, s) in stored.items()} if dtype in INTEGER else None)
 
     def dequantized(self) -> GPT2Weights:
         """float32 weights with the values these ones stand for (self if float32)."""
@@ -129,8 +132,8 @@ def _check_dtype(dtype: str, config: GPT2Config | None = None) -> None:
     """ConfigError unless ``dtype`` is a storage format (and, given a config, one it fits)."""
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if dtype == "int8" and config is not None and config.n_embd % compact.GROUP:
-        raise ConfigError(f"int8 weights need n_embd divisible by {compact.GROUP}, got {config.n_embd}")
+    if dtype in INTEGER and config is not None and config.n_embd % compact.GROUP:
+        raise ConfigError(f"{dtype} weights need n_embd divisible by {compact.GROUP}, got {config.n_embd}")
 
 
 def _checked(name, a, shape, dtype):
@@ -151,7 +154,7 @@ def random_weights(config: GPT2Config, seed: int = 0, dtype: str = "float32") ->
     Matrices ~ N(0, 0.02) (residual projections scaled by 1/sqrt(2 n_layer), as
     GPT-2 does); unlike a fresh GPT-2, biases and layernorm parameters are random
     too, so that a test can tell when one of them is dropped or misplaced.
-    ``dtype`` stores the matrices compactly ("bfloat16", "int8") from those values.
+    ``dtype`` stores the matrices compactly ("bfloat16", "int8", "int4") from those values.
     """
     if not isinstance(config, GPT2Config):
         raise ConfigError(f"random_weights needs a GPT2Config, got {type(config).__name__}")
@@ -197,10 +200,10 @@ def load_weights(path: str | Path, dtype: str = "float32") -> GPT2Weights:
     config is inferred from the tensor shapes (head_dim 64). Both layouts of real
     GPT-2 checkpoints load: ``transformer.``-prefixed keys (``save_pretrained``)
     and bare keys (``openai-community/gpt2``). float32, float16 and bfloat16
-    tensors are read; ``dtype`` says how the matrices are kept ("float32",
-    "bfloat16" or "int8", see compact.py), one tensor at a time, never the whole
-    model in float32 on the way; a bfloat16 file read as bfloat16 is copied
-    as it is, and so is an int8 file that save_weights wrote.
+    tensors are read, and the int8 and int4 files save_weights writes; ``dtype``
+    says how the matrices are kept ("float32", "bfloat16", "int8" or "int4", see
+    compact.py), one tensor at a time, never the whole model in float32 on the
+    way; a file read in its own format (bfloat16, int8, int4) is copied as it is.
 
     Raises CheckpointNotFoundError for a missing path and CheckpointError for an
     unreadable file, a missing, mis-shaped or non-finite tensor, an untied
@@ -237,7 +240,8 @@ def load_weights(path: str | Path, dtype: str = "float32") -> GPT2Weights:
 class _TensorReader:
     """Reads tensors from an open safetensors file into preallocated arrays, by the header's offsets."""
 
-    _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "I8": np.dtype("i1")}
+    _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "I8": np.dtype("i1"),
+               "U8": np.dtype("u1")}
 
     def __init__(self, raw):
         self.raw = raw
@@ -260,7 +264,7 @@ class _TensorReader:
         dest[...] = compact.from_bfloat16(stored) if dtype == "BF16" else stored
 
     def read_stored(self, name: str, dest: np.ndarray) -> None:
-        """The tensor's bytes as they are into ``dest`` of the same format (F32, BF16 as uint16, I8)."""
+        """The tensor's bytes as they are into ``dest`` of the same format (F32, BF16 as uint16, I8, U8)."""
         if sys.byteorder != "little" or dest.itemsize == 1:
             dest[...] = self._fromfile(name, dest.size).reshape(dest.shape)
             return
@@ -276,7 +280,7 @@ class _TensorReader:
 def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype: str) -> GPT2Weights:
     """Gather, check and stack the tensors of an open safetensors file."""
     names = set(f.keys())
-    int8_file = any(n.endswith(_SCALE) for n in names)
+    integer_file = any(n.endswith(_SCALE) for n in names)  # int8 or int4, as save_weights writes them
     prefix = "transformer." if "transformer.wte.weight" in names else ""
 
     def shape(name):
@@ -286,7 +290,10 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
         if prefix + name not in names:
             raise CheckpointError(f"{str(file)!r} has no tensor {prefix + name!r}")
     n_layer = len({m.group(1) for n in names if (m := re.match(rf"{re.escape(prefix)}h\.(\d+)\.", n))})
-    inferred = _infer_config(shape("wte.weight"), shape("wpe.weight"), n_layer, file)
+    wte_shape = shape("wte.weight")
+    if reader.dtype(prefix + "wte.weight") == "U8":  # int4: two columns a byte
+        wte_shape = (*wte_shape[:-1], 2 * wte_shape[-1])
+    inferred = _infer_config(wte_shape, shape("wpe.weight"), n_layer, file)
     if config is None:
         config = inferred
     elif (config.n_layer, config.n_embd, config.vocab_size, config.n_positions) != (
@@ -309,31 +316,33 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
     missing = sorted(set(expected) - names, key=_natural)
     if missing:
         raise CheckpointError(f"{str(file)!r} lacks tensor {missing[0]!r} ({len(missing)} missing in all)")
-    known = set(expected) | {"lm_head.weight"} | {n for n in names if int8_file and n.endswith(_SCALE)}
+    known = set(expected) | {"lm_head.weight"} | {n for n in names if integer_file and n.endswith(_SCALE)}
     unknown = sorted(n for n in names - known if not _IGNORED.search(n))
     if unknown:
         raise CheckpointError(f"{str(file)!r} has unexpected tensor {unknown[0]!r}; is this GPT-2?")
 
-    arrays = {field: np.empty(shape, STORAGE[dtype] if field in MATRICES else np.float32)
+    arrays = {field: np.empty(compact.stored_shape(field, shape, dtype) if field in MATRICES else shape,
+                              STORAGE[dtype] if field in MATRICES else np.float32)
               for field, shape in _field_shapes(config)}
-    scales = {field: np.empty(compact.scale_shape(field, arrays[field].shape), np.float32)
-              for field in MATRICES} if dtype == "int8" else None
-    for name, (field, layer, want) in expected.items():
-        got = shape(name[len(prefix):])
+    scales = {field: np.empty(compact.scale_shape(field, shape), np.float32)
+              for field, shape in _field_shapes(config) if field in MATRICES} if dtype in INTEGER else None
+    for name, (field, layer, model_shape) in expected.items():
+        got, kind = shape(name[len(prefix):]), _FILE_INTEGER.get(reader.dtype(name))
+        want = compact.stored_shape(field, model_shape, kind) if kind and field in MATRICES else model_shape
         if got != want:
             raise CheckpointError(f"tensor {name!r} has shape {list(got)}, expected {list(want)}")
         at = ... if layer is None else layer
-        if field not in MATRICES or dtype == "float32" and not int8_file:
+        if field not in MATRICES or dtype == "float32" and not integer_file:
             reader.read_into(name, arrays[field][at])
             _check_finite(name, arrays[field][at])
-        elif (dtype, reader.dtype(name)) in (("bfloat16", "BF16"), ("int8", "I8")):  # as stored
+        elif (dtype, reader.dtype(name)) in (("bfloat16", "BF16"), ("int8", "I8"), ("int4", "U8")):  # as stored
             reader.read_stored(name, arrays[field][at])
-            if dtype == "int8":
+            if dtype in INTEGER:
                 _read_scale(f, reader, name, scales[field][at])
             else:
                 _check_finite(name, compact.from_bfloat16(arrays[field][at]))
         else:  # through float32, one tensor at a time
-            values = _read_float32(f, reader, name, field, want)
+            values = _read_float32(f, reader, name, field, model_shape)
             _check_finite(name, values)
             stored, scale = compact.compress(field, values, dtype)
             arrays[field][at] = stored
@@ -352,12 +361,13 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
     return GPT2Weights(config=config, **arrays, dtype=dtype, scales=scales)
 
 
-_SCALE = "_scale"  # an int8 file's scales of tensor NAME: NAME_scale (save_weights writes them)
+_SCALE = "_scale"  # an int8 or int4 file's scales of tensor NAME: NAME_scale (save_weights writes them)
+_FILE_INTEGER = {"I8": "int8", "U8": "int4"}  # the integer formats' tensors in a file, by safetensors dtype
 
 
 def _read_scale(f, reader, name, dest):
     if name + _SCALE not in reader.header:
-        raise CheckpointError(f"int8 tensor {name!r} has no {name + _SCALE!r}")
+        raise CheckpointError(f"{_FILE_INTEGER[reader.dtype(name)]} tensor {name!r} has no {name + _SCALE!r}")
     got = tuple(f.get_slice(name + _SCALE).get_shape())
     if got != dest.shape or reader.dtype(name + _SCALE) != "F32":
         raise CheckpointError(f"tensor {name + _SCALE!r} is not F32 of shape {list(dest.shape)}")
@@ -366,16 +376,17 @@ def _read_scale(f, reader, name, dest):
 
 
 def _read_float32(f, reader, name, field, shape) -> np.ndarray:
-    """One matrix's float32 values, dequantised if the file holds int8."""
-    if reader.dtype(name) != "I8":
+    """One matrix's float32 values in the model's layout ``shape``, dequantised if the file holds int8 or int4."""
+    kind = _FILE_INTEGER.get(reader.dtype(name))
+    if kind is None:
         values = np.empty(shape, np.float32)
         reader.read_into(name, values)
         return values
-    q = np.empty(shape, np.int8)
+    q = np.empty(compact.stored_shape(field, shape, kind), STORAGE[kind])
     reader.read_stored(name, q)
     scale = np.empty(compact.scale_shape(field, shape), np.float32)
     _read_scale(f, reader, name, scale)
-    return compact.dequantize(field, q, scale)
+    return compact.expand(field, q, scale)
 
 
 def _check_finite(name, a):
@@ -413,20 +424,21 @@ def save_weights(w: GPT2Weights, path: str | Path, dtype: str | None = None) -> 
 
     The directory gets config.json and model.safetensors with ``transformer.``-
     prefixed keys. ``dtype`` (default: the weights' own) is "float32", "float16",
-    "bfloat16" (files any GPT-2 loader reads) or "int8": gpt2numba's own format,
-    each matrix as I8 beside its F32 scales in NAME_scale, so that quantisation is
-    paid once; load_weights(path, dtype="int8") reads it back bit for bit.
+    "bfloat16" (files any GPT-2 loader reads), "int8" or "int4": gpt2numba's own
+    formats, each matrix as stored in memory ([out, in], I8, or U8 of packed
+    nibbles) beside its F32 scales in NAME_scale, so that quantisation is paid
+    once; load_weights(path, dtype=...) reads them back bit for bit.
     """
     from safetensors.numpy import save_file
 
     if not isinstance(w, GPT2Weights):
         raise ConfigError(f"save_weights needs GPT2Weights, got {type(w).__name__}")
     dtype = dtype or w.dtype
-    if dtype not in ("float32", "float16", "bfloat16", "int8"):
-        raise ConfigError(f"dtype must be float32, float16, bfloat16 or int8, got {dtype!r}")
+    if dtype not in ("float32", "float16", "bfloat16", *INTEGER):
+        raise ConfigError(f"dtype must be float32, float16, bfloat16, int8 or int4, got {dtype!r}")
     if Path(path).exists() and not Path(path).is_dir():
         raise CheckpointError(f"{str(path)!r} is a file; save_weights writes a directory")
-    if dtype in ("bfloat16", "int8"):
+    if dtype in ("bfloat16", *INTEGER):
         w = w.astype(dtype)  # as it is if already so
     cfg = w.config
     tensors = {}
@@ -435,7 +447,7 @@ def save_weights(w: GPT2Weights, path: str | Path, dtype: str | None = None) -> 
         import ml_dtypes
 
         stored = {field: getattr(w, field).view(ml_dtypes.bfloat16) for field in MATRICES}
-    elif dtype == "int8":
+    elif dtype in INTEGER:
         stored = {field: getattr(w, field) for field in MATRICES}
     else:
         stored = {field: w.matrix(field) for field in MATRICES}
@@ -443,7 +455,7 @@ def save_weights(w: GPT2Weights, path: str | Path, dtype: str | None = None) -> 
     def put(name, field, layer):
         at = ... if layer is None else layer
         a = stored[field][at] if field in MATRICES else getattr(w, field)[at]
-        if field in MATRICES and dtype == "int8":
+        if field in MATRICES and dtype in INTEGER:
             tensors[name + _SCALE] = w.scales[field][at]
         if a.dtype == np.float32 and dtype in ("float16", "bfloat16"):
             a = _cast16(a, dtype)

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 import gpt2numba as g
-from gpt2numba import forward
+from gpt2numba import compact, forward
 
 
 MATRIX_KINDS = {"c_attn_w": "qkv (c_attn)", "attn_c_proj_w": "attn c_proj",
@@ -28,7 +28,7 @@ def instrument(totals, cfg):
     head = lambda *a, **k: "head (wte)"  # noqa: E731
     kinds = {"_layernorm": lambda *a, **k: "layernorm", "_write_kv": lambda *a, **k: "cache write",
              "_attend": lambda *a, **k: "attention", "_gelu": lambda *a, **k: "gelu",
-             "_head": head, "_head_bf16": head, "_head_int8": head, "_head_rows": head,
+             "_head": head, "_head_bf16": head, "_integer_head": head, "_head_rows": head,
              "_matmul": lambda x, field, *a, **k: MATRIX_KINDS[field]}
     saved = {name: getattr(forward, name) for name in kinds}
 
@@ -70,7 +70,7 @@ def profile(label, step, repeat, cfg):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"])
+    p.add_argument("--dtype", default="float32", choices=compact.DTYPES)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--repeat", type=int, default=5)

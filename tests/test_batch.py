@@ -44,7 +44,7 @@ def test_ragged_batches_gpt2_small(small, plans, data):
     check_batch_rounds(plans, small, "small batch", data.draw(st.randoms(use_true_random=False)))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 def test_batch_rows_equal_single_sequence_rows(tiny, rng, dtype):
     """prefill_batch and decode_batch rows equal prefill and decode_step on their own, to 1e-5."""
     w = tiny.astype(dtype)

@@ -24,7 +24,7 @@ def test_check_on_a_checkpoint(tmp_path):
 
 def test_check_compact_dtypes(tmp_path):
     write_dir(g.random_weights(TINY, seed=3), tmp_path)
-    for dtype in ("bfloat16", "int8"):
+    for dtype in ("bfloat16", "int8", "int4"):
         r = run("check", "--model", str(tmp_path), "--dtype", dtype, "--prompts", "1", "--prompt-len", "9",
                 "--decode", "2")
         assert r.returncode == 0, r.stderr

@@ -1,5 +1,9 @@
-"""bfloat16 and int8 weights: formats, kernels against NumPy on the widened values, the engine against the oracle."""
+"""bfloat16, int8 and int4 weights: formats, kernels against NumPy on the widened values, the engine against the oracle."""
 
+import dataclasses
+import platform
+
+import numba
 import numpy as np
 import pytest
 from hypothesis import given
@@ -9,10 +13,12 @@ from threadpoolctl import threadpool_limits
 import gpt2numba as g
 from checkpoints import write_dir
 from conftest import TINY
-from gpt2numba import compact, kernels
+from gpt2numba import compact, intkernels, kernels, oracle
+from gpt2numba.intkernels import INT_ROWS_MAX
 from helpers import check_chunks, check_prefill, randn
 
-COMPACT = ["bfloat16", "int8"]
+COMPACT = ["bfloat16", "int8", "int4"]
+INTEGER = ["int8", "int4"]
 
 
 # --- the formats -----------------------------------------------------------------------------
@@ -26,16 +32,31 @@ def test_bfloat16_rounds_to_nearest_even():
                                   a.astype(ml_dtypes.bfloat16).astype(np.float32))
 
 
+@pytest.mark.parametrize("dtype", INTEGER)
 @pytest.mark.parametrize("field, shape", [("c_fc_w", (3, 64, 40)), ("wte", (50, 96))])
-def test_int8_groups_along_the_input(field, shape):
+def test_integer_groups_along_the_input(field, shape, dtype):
     a = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
-    q, scale = compact.quantize(field, a)
-    assert q.dtype == np.int8 and scale.shape == compact.scale_shape(field, shape)
-    back = compact.dequantize(field, q, scale)
-    # each value within half a step of its group's scale, and each group's largest exactly +-127
-    step = np.repeat(scale, compact.GROUP, axis=-2 if field != "wte" else -1)
+    stored, scale = compact.compress(field, a, dtype)
+    assert stored.shape == compact.stored_shape(field, shape, dtype) and scale.shape == compact.scale_shape(field, shape)
+    back = compact.expand(field, stored, scale)
+    assert back.shape == shape
+    # each value within half a step of its group's scale (groups run along the input axis)
+    step = compact.from_rows(field, np.repeat(scale, compact.GROUP, axis=-1))
     assert (np.abs(back - a) <= 0.5 * step * (1 + 1e-6)).all()
-    assert (np.abs(q).max(axis=-2 if field != "wte" else -1) <= 127).all()
+    q = compact.unpack(stored) if dtype == "int4" else stored
+    levels = compact.LEVELS[dtype]
+    assert (np.abs(q) <= levels).all() and (np.abs(q).max(axis=-1) == levels).all()
+
+
+def test_int4_nibble_order():
+    """Byte j of a group: value j + 8 in the low nibble, value j + 16 + 8 in the high one."""
+    q = np.arange(64, dtype=np.int64).reshape(1, 64) % 15 - 7
+    packed = compact.pack(q.astype(np.int8))
+    assert packed.shape == (1, 32) and packed.dtype == np.uint8
+    for g in range(2):
+        for j in range(16):
+            assert packed[0, 16 * g + j] == (q[0, 32 * g + j] + 8) | (q[0, 32 * g + 16 + j] + 8) << 4
+    np.testing.assert_array_equal(compact.unpack(packed), q)
 
 
 # --- kernels against NumPy on the widened weights ----------------------------------------------
@@ -43,19 +64,61 @@ def test_int8_groups_along_the_input(field, shape):
 groups = st.integers(1, 4).map(lambda n: n * compact.GROUP)
 
 
-@given(K=groups, N=st.integers(1, 70), n_blocks=st.integers(1, 3), accumulate=st.booleans(),
-       dtype=st.sampled_from(COMPACT), seed=st.integers(0, 2**32 - 1))
-def test_gemv(K, N, n_blocks, accumulate, dtype, seed):
+@given(K=st.integers(1, 300), N=st.integers(1, 70), n_blocks=st.integers(1, 3), accumulate=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_gemv_bfloat16(K, N, n_blocks, accumulate, seed):
     rng = np.random.default_rng(seed)
-    stored, scale = compact.compress("c_fc_w", randn(rng, K, N), dtype)
+    stored = compact.to_bfloat16(randn(rng, K, N))
     x, b, out = randn(rng, 1, K), randn(rng, N), randn(rng, 1, N)
-    ref = (out.astype(np.float64) if accumulate else 0) + x @ compact.expand("c_fc_w", stored, scale) + b
-    scratch = np.empty(2 * n_blocks * N, np.float32)
-    if dtype == "bfloat16":
-        kernels._gemv_bf16(x, stored, b, scratch, out, accumulate, n_blocks)
-    else:
-        kernels._gemv_int8(x, stored, scale, b, scratch, out, accumulate, n_blocks)
+    ref = (out.astype(np.float64) if accumulate else 0) + x @ compact.from_bfloat16(stored) + b
+    kernels._gemv_bf16(x, stored, b, np.empty(n_blocks * N, np.float32), out, accumulate, n_blocks)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+rows = st.integers(1, 5).flatmap(lambda T: st.integers(1, 4).map(lambda n: (T, n * compact.GROUP)))
+
+
+@given(shape=rows, zero_group=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_quantize_rows(shape, zero_group, seed):
+    """The kernel quantises the inputs exactly as compact.quantize_rows (int8 values and scales)."""
+    x = randn(np.random.default_rng(seed), *shape)
+    if zero_group:
+        x[0, : compact.GROUP] = 0.0
+    q, s = np.empty(shape, np.int8), np.empty((shape[0], shape[1] // compact.GROUP), np.float32)
+    intkernels._quantize_rows(x, q, s)
+    ref_q, ref_s = compact.quantize_rows(x)
+    np.testing.assert_array_equal(q, ref_q)
+    np.testing.assert_array_equal(s, ref_s)
+    assert (np.abs(q) <= 127).all() and (np.abs(compact.dequantize(q, s) - x) <= 0.5 * np.repeat(s, 32, -1) + 1e-7).all()
+    rounded = np.empty_like(x)
+    intkernels._round_rows(x, rounded)
+    np.testing.assert_array_equal(rounded, compact.dequantize(q, s))
+
+
+@given(shape=rows, N=st.integers(1, 70), n_blocks=st.integers(1, 3), accumulate=st.booleans(), bias=st.booleans(),
+       dtype=st.sampled_from(INTEGER), seed=st.integers(0, 2**32 - 1))
+def test_int_rows(shape, N, n_blocks, accumulate, bias, dtype, seed):
+    """Integer products against NumPy on the values both sides stand for (sizes off the vector width too)."""
+    rng = np.random.default_rng(seed)
+    T, K = shape
+    stored, scale = compact.quantize(randn(rng, N, K), dtype)
+    xq, xs = compact.quantize_rows(randn(rng, T, K))
+    b, out = randn(rng, N) if bias else None, randn(rng, T, N)
+    ref = (out.astype(np.float64) if accumulate else 0) + compact.dequantize(xq, xs) @ compact.dequantize(stored, scale).T
+    intkernels._int_rows(xq, xs, stored, scale, b, out, accumulate, n_blocks)
+    np.testing.assert_allclose(out, ref + (b if bias else 0), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86's multiply-add instructions")
+@pytest.mark.parametrize("dtype", INTEGER)
+def test_int_rows_uses_the_integer_multiply_add(dtype):
+    """The hot loop multiplies 8-bit integers with the CPU's multiply-add (pmaddwd, or VNNI's), not scalar code."""
+    stored, scale = compact.quantize(np.ones((4, 64), np.float32), dtype)
+    xq, xs = compact.quantize_rows(np.ones((1, 64), np.float32))
+    fresh = numba.njit(intkernels._int_rows.py_func, parallel=True)  # not from the cache, which keeps no assembly
+    fresh(xq, xs, stored, scale, None, np.empty((1, 4), np.float32), False, 1)
+    asm = "\n".join(fresh.inspect_asm().values()).lower()
+    assert any(op in asm for op in ("pmaddwd", "vpdpwssd", "vpdpbusd")), "no 8-bit multiply-add in _int_rows"
 
 
 @given(V=st.integers(1, 1100), C=groups, R=st.integers(1, 4), n_blocks=st.integers(1, 3),
@@ -65,27 +128,26 @@ def test_head(V, C, R, n_blocks, dtype, seed):
         with threadpool_limits(1, user_api="blas"):
             if dtype == "bfloat16":
                 kernels._head_bf16(stored, h, out, n_blocks)
-            else:
-                kernels._head_int8(stored, scale, h, out, n_blocks)
+            else:  # the integer formats' head over many rows takes h rounded as their inputs are
+                kernels._head_integer(stored, scale, h, out, n_blocks)
     check_head(head, V, C, R, dtype, seed)
 
 
-@given(T=st.integers(2, 7), K=groups, N=st.integers(1, 70), n_blocks=st.integers(1, 3),
-       dtype=st.sampled_from(COMPACT), accumulate=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_linear_rows(T, K, N, n_blocks, dtype, accumulate, seed):
-    """A few rows against the compact matrix read as stored."""
+@given(T=st.integers(2, 7), K=st.integers(1, 12).map(lambda n: 8 * n), N=st.integers(1, 70),
+       n_blocks=st.integers(1, 3), accumulate=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_linear_rows_bfloat16(T, K, N, n_blocks, accumulate, seed):
+    """A few rows against the bfloat16 matrix read as stored."""
     rng = np.random.default_rng(seed)
-    stored, scale = compact.compress("c_fc_w", randn(rng, K, N), dtype)
+    stored = compact.to_bfloat16(randn(rng, K, N))
     x, b, out = randn(rng, T, K), randn(rng, N), randn(rng, T, N)
-    ref = (out.astype(np.float64) if accumulate else 0) + x @ compact.expand("c_fc_w", stored, scale) + b
-    kernels._linear_rows(x, stored, scale, b, np.empty((T + 1) * N, np.float32), out, accumulate, n_blocks)
+    ref = (out.astype(np.float64) if accumulate else 0) + x @ compact.from_bfloat16(stored) + b
+    kernels._linear_rows(x, stored, b, np.empty((T + 1) * N, np.float32), out, accumulate, n_blocks)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
-@given(V=st.integers(1, 60), C=groups, R=st.integers(2, 5), n_blocks=st.integers(1, 3),
-       dtype=st.sampled_from(COMPACT), seed=st.integers(0, 2**32 - 1))
-def test_head_rows(V, C, R, n_blocks, dtype, seed):
-    check_head(lambda stored, scale, h, out: kernels._head_rows(stored, scale, h, out, n_blocks), V, C, R, dtype, seed)
+@given(V=st.integers(1, 60), C=groups, R=st.integers(2, 5), n_blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_head_rows_bfloat16(V, C, R, n_blocks, seed):
+    check_head(lambda stored, scale, h, out: kernels._head_rows(stored, h, out, n_blocks), V, C, R, "bfloat16", seed)
 
 
 def check_head(head, V, C, R, dtype, seed):
@@ -100,12 +162,13 @@ def check_head(head, V, C, R, dtype, seed):
 @given(K=groups, N=st.integers(1, 70), dtype=st.sampled_from(COMPACT), seed=st.integers(0, 2**32 - 1))
 def test_expand(K, N, dtype, seed):
     stored, scale = compact.compress("c_fc_w", randn(np.random.default_rng(seed), K, N), dtype)
-    out = np.empty((K, N), np.float32)
-    with threadpool_limits(1, user_api="blas"):
-        if dtype == "bfloat16":
-            kernels._expand_bf16(stored, out)
-        else:
-            kernels._expand_int8(stored, scale, out)
+    if dtype == "bfloat16":
+        out = np.empty((K, N), np.float32)
+        kernels._expand_bf16(stored, out)
+    else:  # the integer formats widen [out, in], as they store
+        out = np.empty((N, K), np.float32)
+        intkernels._widen_matrix(stored, scale, out)
+        out = out.T
     np.testing.assert_array_equal(out, compact.expand("c_fc_w", stored, scale))
 
 
@@ -138,10 +201,24 @@ def test_gpt2_small_compact_decode(small, dtype, rng):
     check_chunks(ids, [20, 21, 22, 23], w, f"small {dtype}")
 
 
+@pytest.mark.parametrize("dtype", INTEGER)
+def test_integer_long_prefill(dtype):
+    """Past INT_ROWS_MAX rows the integer formats widen the matrices and round the inputs for BLAS:
+    the same function as the integer kernels, for a prefill, the decode after it, and every row's logits."""
+    cfg = dataclasses.replace(TINY, n_positions=2 * INT_ROWS_MAX + 8)
+    w = g.random_weights(cfg, seed=3, dtype=dtype)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, INT_ROWS_MAX + 20)
+    check_chunks(ids, [INT_ROWS_MAX + 10, INT_ROWS_MAX + 11], w, f"{dtype}, past INT_ROWS_MAX")
+    rows = g.prefill(ids, w, g.ModelCache(cfg), logits="all")
+    for T in (1, INT_ROWS_MAX + 1, len(ids)):
+        assert oracle.agreement(rows[T - 1], g.recompute_logits(ids[:T], w), dtype)[0]
+
+
 def test_compact_is_smaller(small):
     f32 = small.nbytes
     assert small.astype("bfloat16").nbytes < 0.51 * f32
     assert small.astype("int8").nbytes < 0.29 * f32  # a quarter, plus one float32 scale per 32
+    assert small.astype("int4").nbytes < 0.17 * f32  # an eighth, plus the scales
 
 
 # --- loading and saving ---------------------------------------------------------------------------
@@ -174,7 +251,7 @@ def test_saved_compact_round_trip_is_bit_exact(tmp_path, dtype):
     back = g.load_weights(tmp_path, dtype=dtype)
     for field in compact.MATRICES:
         np.testing.assert_array_equal(getattr(back, field), getattr(w, field), err_msg=field)
-        if dtype == "int8":
+        if dtype in INTEGER:
             np.testing.assert_array_equal(back.scales[field], w.scales[field], err_msg=field)
     np.testing.assert_array_equal(g.load_weights(tmp_path).c_fc_w, w.dequantized().c_fc_w)
 
@@ -183,16 +260,17 @@ def test_bad_dtype(tmp_path):
     with pytest.raises(g.ConfigError, match="dtype must be one of"):
         g.random_weights(TINY, dtype="float8")
     with pytest.raises(g.ConfigError, match="dtype must be one of"):
-        g.load_weights(tmp_path, dtype="int4")
+        g.load_weights(tmp_path, dtype="int2")
 
 
-def test_int8_file_missing_scales(tmp_path):
-    w = g.random_weights(TINY, seed=5, dtype="int8")
+@pytest.mark.parametrize("dtype", INTEGER)
+def test_integer_file_missing_scales(tmp_path, dtype):
+    w = g.random_weights(TINY, seed=5, dtype=dtype)
     g.save_weights(w, tmp_path)
     from safetensors.numpy import load_file, save_file
 
     tensors = load_file(str(tmp_path / "model.safetensors"))
     del tensors["transformer.h.1.mlp.c_fc.weight_scale"]
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(g.CheckpointError, match="h.1.mlp.c_fc.weight_scale"):
-        g.load_weights(tmp_path, dtype="int8")
+    with pytest.raises(g.CheckpointError, match=f"{dtype} tensor .*h.1.mlp.c_fc.weight_scale"):
+        g.load_weights(tmp_path, dtype=dtype)

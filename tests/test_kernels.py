@@ -134,7 +134,7 @@ def test_linear_rows(T, K, N, n_blocks, accumulate, seed):
     rng = np.random.default_rng(seed)
     x, w, b, out = randn(rng, T, K), randn(rng, K, N), randn(rng, N), randn(rng, T, N)
     ref = (out.astype(np.float64) if accumulate else 0) + x.astype(np.float64) @ w + b
-    kernels._linear_rows(x, w, None, b, np.empty((T + 1) * N, np.float32), out, accumulate, n_blocks)
+    kernels._linear_rows(x, w, b, np.empty((T + 1) * N, np.float32), out, accumulate, n_blocks)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -143,7 +143,7 @@ def test_head_rows(V, C, R, n_blocks, seed):
     """The few-rows head: four vocabulary rows at a time and the one-by-one tail."""
     rng = np.random.default_rng(seed)
     wte, h, out = randn(rng, V, C), randn(rng, R, C), np.empty((R, V), np.float32)
-    kernels._head_rows(wte, None, h, out, n_blocks)
+    kernels._head_rows(wte, h, out, n_blocks)
     np.testing.assert_allclose(out, h.astype(np.float64) @ wte.T, atol=1e-4, rtol=1e-4)
 
 

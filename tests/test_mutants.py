@@ -186,3 +186,38 @@ def test_catches_scoring_a_token_from_its_own_logits(tiny, monkeypatch):
     monkeypatch.setattr(score, "_targets", lambda ids: ids.copy())  # position i "predicts" ids[i]
     with pytest.raises(CAUGHT):
         test_score.check_score(np.arange(20), tiny, "mutant")
+
+
+# --- the integer formats ------------------------------------------------------------------------------
+
+def _int_rows_mutant(monkeypatch, change):
+    """forward's integer products with (x, x scales, w, w scales) changed by ``change`` first."""
+    real = forward._int_rows
+    monkeypatch.setattr(forward, "_int_rows", lambda xq, xs, w, scale, *rest: real(*change(xq, xs, w, scale), *rest))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_sound_integer_engine_passes(tiny, ids, dtype):
+    w = tiny.astype(dtype)
+    helpers.check_prefill(ids, w, "control")
+    helpers.check_chunks(ids, [8, 9, 15], w, "control")
+
+
+def test_catches_int4_nibbles_read_in_the_other_order(tiny, ids, monkeypatch):
+    _int_rows_mutant(monkeypatch, lambda xq, xs, w, scale: (xq, xs, (w >> 4) | (w << 4), scale))
+    with pytest.raises(CAUGHT):
+        helpers.check_prefill(ids, tiny.astype("int4"), "mutant")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_catches_a_scale_taken_from_the_next_group(tiny, ids, dtype, monkeypatch):
+    _int_rows_mutant(monkeypatch, lambda xq, xs, w, scale: (xq, xs, w, np.roll(scale, -1, axis=1)))
+    with pytest.raises(CAUGHT):
+        helpers.check_prefill(ids, tiny.astype(dtype), "mutant")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_catches_the_activation_scale_dropped(tiny, ids, dtype, monkeypatch):
+    _int_rows_mutant(monkeypatch, lambda xq, xs, w, scale: (xq, np.ones_like(xs), w, scale))
+    with pytest.raises(CAUGHT):
+        helpers.check_prefill(ids, tiny.astype(dtype), "mutant")

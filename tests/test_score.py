@@ -13,6 +13,7 @@ from hypothesis import given, settings
 import gpt2numba as g
 import helpers
 from conftest import TINY
+from gpt2numba import compact, oracle
 from test_prefill import prompts
 
 
@@ -34,7 +35,8 @@ def check_score(ids, w, label, record=True):
     diff = float(np.abs(s.logprobs - expected).max()) if len(ids) > 1 else 0.0
     if record:  # (logits in the hundreds differ from float64 in absolute terms, as float32 does)
         helpers.record_diff(f"{label} log-probabilities, {len(ids)} tokens", diff)
-    np.testing.assert_allclose(s.logprobs, expected, atol=1e-4, rtol=1e-6)  # rtol: float32 logits in the hundreds
+    atol = oracle.ATOL_INTEGER if w.dtype in compact.INTEGER else 1e-4  # the integer formats: see oracle.ATOL_INTEGER
+    np.testing.assert_allclose(s.logprobs, expected, atol=atol, rtol=1e-6)  # rtol: float32 logits in the hundreds
     np.testing.assert_array_equal(s.greedy, ref.argmax(axis=1) == ids[1:])
     assert s.n_tokens == len(ids) - 1 and s.nll == pytest.approx(-expected.sum(), abs=1e-3)
     return s
@@ -79,7 +81,7 @@ def test_score_gpt2_small_shapes(small, ids):
     check_score(ids, small, "small")
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
 def test_score_compact(tiny, rng, dtype):
     check_score(rng.integers(0, TINY.vocab_size, 30), tiny.astype(dtype), dtype)
 

@@ -1,0 +1,234 @@
+"""Numba kernels of the integer formats (int8, int4; see compact.py).
+
+A product with an integer matrix takes its input rows quantised to int8 per group
+of GROUP (_quantize_rows). Up to INT_ROWS_MAX rows, _int_rows multiplies int8 by
+int8 (int4 unpacked in registers) into int32, one group at a time, and scales once
+per group; _dot_group is written in LLVM's vector IR so that the compiler emits
+the CPU's 8-bit multiply-add (pmaddwd, or vpdpwssd / vpdpbusd with VNNI) on every
+x86 it targets. More rows go to BLAS: the matrix widened (_widen_matrix), the
+inputs rounded to the same int8 values (_round_rows).
+
+Private and unchecked, as kernels.py: callers in forward.py validate.
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from .compact import GROUP as _GROUP
+
+_HALF_GROUP = _GROUP // 2
+
+# Rows up to which _int_rows beats widening the matrix for BLAS (measured on 2 cores, GPT-2 small).
+INT_ROWS_MAX = 64
+
+
+def _madd_pairs(builder, a, b):
+    """(GROUP/2,) int32: a[2i] * b[2i] + a[2i+1] * b[2i+1] for (GROUP,) int16 vectors a, b.
+
+    x86's pmaddwd does exactly this. LLVM lowers the generic form to it only when it cannot
+    see that the operands are 8-bit values (it then multiplies in 16 bits and widens), so
+    on x86 the instruction is called by name, at the widest width the CPU has.
+    """
+    i16, i32 = ir.IntType(16), ir.IntType(32)
+    width = _MADD_WIDTH
+    if width:
+        name = {32: "llvm.x86.avx512.pmaddw.d.512", 16: "llvm.x86.avx2.pmadd.wd", 8: "llvm.x86.sse2.pmadd.wd"}[width]
+        fn = builder.module.globals.get(name)
+        if fn is None:
+            fn = ir.Function(builder.module, ir.FunctionType(ir.VectorType(i32, width // 2),
+                                                             [ir.VectorType(i16, width)] * 2), name)
+        parts = [builder.call(fn, [_lanes(builder, a, range(k, k + width)), _lanes(builder, b, range(k, k + width))])
+                 for k in range(0, _GROUP, width)]
+        while len(parts) > 1:  # concatenate the pieces back into one vector
+            parts = [builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(i32, 2 * x.type.count),
+                                                              list(range(2 * x.type.count))))
+                     for x, y in zip(parts[::2], parts[1::2])]
+        return parts[0]
+    half = ir.VectorType(i32, _HALF_GROUP)
+    even, odd = range(0, _GROUP, 2), range(1, _GROUP, 2)
+    return builder.add(
+        builder.mul(builder.sext(_lanes(builder, a, even), half), builder.sext(_lanes(builder, b, even), half)),
+        builder.mul(builder.sext(_lanes(builder, a, odd), half), builder.sext(_lanes(builder, b, odd), half)))
+
+
+def _lanes(builder, v, lanes):
+    lanes = list(lanes)
+    if lanes == list(range(v.type.count)):
+        return v
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)), lanes))
+
+
+def _madd_width():
+    """int16 lanes of the widest pmaddwd the target CPU has (as Numba compiles for it), or 0 off x86."""
+    from llvmlite import binding
+    from numba.core import config
+
+    if not binding.get_process_triple().startswith(("x86_64", "i686", "i386")):
+        return 0
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
+    enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
+    return 32 if "avx512bw" in enabled else 16 if "avx2" in enabled else 8
+
+
+_MADD_WIDTH = _madd_width()
+
+
+@intrinsic
+def _dot_row(typingctx, w, ws, x, xs):
+    """One integer row's dot product with one quantised input row, as float32:
+    sum over groups g of (sum over j < GROUP of w_gj * x_gj, in int32) * ws[g] * xs[g].
+
+    w: 1-D int8 (K,) or uint8 packed int4 (K // 2,: byte j of a group holds w_j + 8 in
+    its low nibble, w_{j+GROUP/2} + 8 in its high one); ws: float32 (K // GROUP,), w's
+    scales; x: int8 (K,); xs: float32 (K // GROUP,). Written as LLVM vector IR: per
+    group, the 8-bit operands are sign-extended and multiplied in adjacent pairs that
+    are summed (the pattern x86 backends lower to pmaddwd, or vpdpwssd with VNNI), the
+    GROUP/2 int32 sums converted to float and scaled into a vector accumulator; lanes
+    are summed once per row. Unchecked: K is a multiple of GROUP, at least GROUP.
+    """
+    def is_row(a, *dtypes):
+        return isinstance(a, types.Array) and a.dtype in dtypes and a.ndim == 1 and a.layout == "C"
+
+    if not (is_row(w, types.int8, types.uint8) and is_row(x, types.int8) and is_row(ws, types.float32)
+            and is_row(xs, types.float32)):
+        return None
+    packed = w.dtype == types.uint8
+
+    def codegen(context, builder, sig, args):
+        wa, wsa, xa, xsa = (context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args, args))
+        i8, i16, i32, f32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType(), ir.IntType(64)
+        half = _HALF_GROUP
+
+        def vec(ty, n):
+            return ir.VectorType(ty, n)
+
+        def load(ptr, at, ty):
+            return builder.load(builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=1)
+
+        def shuffle(v, lanes):
+            return builder.shuffle_vector(v, v, ir.Constant(vec(i32, len(lanes)), lanes))
+
+        groups = builder.extract_value(wsa.shape, 0)
+        entry, loop, done = builder.block, builder.append_basic_block("dot_row"), builder.append_basic_block("dot_row_done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        g = builder.phi(i64)
+        acc = builder.phi(vec(f32, half))
+        g.add_incoming(ir.Constant(i64, 0), entry)
+        acc.add_incoming(ir.Constant(vec(f32, half), [0.0] * half), entry)
+        if packed:
+            raw = load(wa.data, builder.mul(g, ir.Constant(i64, half)), vec(i8, half))
+            low = builder.and_(raw, ir.Constant(vec(i8, half), [15] * half))
+            high = builder.lshr(raw, ir.Constant(vec(i8, half), [4] * half))
+            nibbles = builder.shuffle_vector(low, high, ir.Constant(vec(i32, _GROUP), list(range(_GROUP))))
+            wv = builder.sub(nibbles, ir.Constant(vec(i8, _GROUP), [8] * _GROUP))
+        else:
+            wv = load(wa.data, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, _GROUP))
+        xv = load(xa.data, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, _GROUP))
+        pairs = _madd_pairs(builder, builder.sext(wv, vec(i16, _GROUP)), builder.sext(xv, vec(i16, _GROUP)))
+        scale = builder.fmul(load(wsa.data, g, f32), load(xsa.data, g, f32))
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(vec(f32, half), None), scale,
+                                                              ir.Constant(i32, 0)),
+                                       ir.Constant(vec(f32, half), None), ir.Constant(vec(i32, half), [0] * half))
+        step = builder.fadd(acc, builder.fmul(builder.sitofp(pairs, vec(f32, half)), splat, flags=("contract",)),
+                            flags=("contract",))
+        nxt = builder.add(g, ir.Constant(i64, 1))
+        g.add_incoming(nxt, loop)
+        acc.add_incoming(step, loop)
+        builder.cbranch(builder.icmp_signed("<", nxt, groups), loop, done)
+        builder.position_at_end(done)
+        lanes = step
+        while lanes.type.count > 1:  # halve the lanes until one is left
+            n = lanes.type.count // 2
+            lanes = builder.fadd(shuffle(lanes, list(range(n))), shuffle(lanes, list(range(n, 2 * n))))
+        return builder.extract_element(lanes, ir.Constant(i32, 0))
+
+    return types.float32(w, ws, x, xs), codegen
+
+
+def _widen_group(row, g, s, out):
+    """out[g*GROUP : (g+1)*GROUP] = float32 values of group g of an integer matrix's row, times s."""
+
+
+@overload(_widen_group, inline="always")
+def _widen_group_typed(row, g, s, out):
+    if row.dtype == types.uint8:
+        def widen_packed(row, g, s, out):
+            for j in range(_HALF_GROUP):
+                byte = np.int32(row[g * _HALF_GROUP + j])
+                out[g * _GROUP + j] = np.float32((byte & 15) - 8) * s
+                out[g * _GROUP + _HALF_GROUP + j] = np.float32((byte >> 4) - 8) * s
+        return widen_packed
+
+    def widen(row, g, s, out):
+        for j in range(_GROUP):
+            out[g * _GROUP + j] = np.float32(row[g * _GROUP + j]) * s
+    return widen
+
+
+@njit(cache=True, nogil=True)
+def _quantize_rows(x, xq, xs):
+    """xq, xs = int8 x per group of GROUP, as compact.quantize_rows (bit for bit).
+
+    x: float32 (T, K); xq: int8 (>= T, K); xs: float32 (>= T, K // GROUP).
+    No fastmath: the division must round as NumPy's does.
+    """
+    T, K = x.shape
+    for t in range(T):
+        for g in range(K // _GROUP):
+            amax = np.float32(0.0)
+            for j in range(g * _GROUP, (g + 1) * _GROUP):
+                amax = max(amax, abs(x[t, j]))
+            d = amax / np.float32(127.0)
+            xs[t, g] = d
+            for j in range(g * _GROUP, (g + 1) * _GROUP):
+                xq[t, j] = np.int8(np.rint(x[t, j] / d)) if d > 0 else np.int8(0)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _round_rows(x, out):
+    """out = the values x stands for as the integer formats' input: int8 per group, times its scale.
+
+    x, out: float32 (T, K). For the BLAS paths, so that they multiply what _int_rows multiplies.
+    """
+    T, K = x.shape
+    for t in prange(T):
+        q = np.empty((1, K), np.int8)
+        s = np.empty((1, K // _GROUP), np.float32)
+        _quantize_rows(x[t:t + 1], q, s)
+        for j in range(K):
+            out[t, j] = np.float32(q[0, j]) * s[0, j // _GROUP]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _int_rows(xq, xs, w, scale, b, out, accumulate, n_blocks):
+    """out (+)= x @ W.T (+ b) for a few rows, W an integer matrix read as stored.
+
+    xq: int8 (T, K), xs: (T, K // GROUP), the quantised input rows; w: int8 (N, K) or
+    packed int4 uint8 (N, K // 2); scale: (N, K // GROUP); b: (N,) or None; out: (T, N).
+    Each thread takes a block of W's rows (whole cache lines of out) and, while a
+    row is in cache, its dot product with every input row: per group, an int32 sum
+    of products, scaled by the two groups' scales.
+    """
+    T = xq.shape[0]
+    N = w.shape[0]
+    step = ((N + n_blocks - 1) // n_blocks + 15) // 16 * 16
+    for blk in prange(n_blocks):
+        for n in range(min(N, blk * step), min(N, (blk + 1) * step)):
+            row, srow = w[n], scale[n]
+            for t in range(T):
+                acc = _dot_row(row, srow, xq[t], xs[t])
+                if b is not None:
+                    acc += b[n]
+                out[t, n] = out[t, n] + acc if accumulate else acc
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _widen_matrix(w, scale, out):
+    """out = float32 values of an integer matrix, [out, in] as stored. w: int8 (N, K) or
+    packed uint8 (N, K // 2); scale: (N, K // GROUP); out: (N, K)."""
+    for n in prange(w.shape[0]):
+        for g in range(scale.shape[1]):
+            _widen_group(w[n], g, scale[n, g], out[n])
