@@ -7,8 +7,11 @@ bfloat16 keeps the model's layouts: the blocks' matrices [in, out], wte [out, in
 The integer formats keep every matrix [out, in], so that a group of GROUP inputs
 is contiguous and an output is one dot product along a row, the walk of the
 integer kernels; wte is [out, in] already. Each group has a float32 scale, and
-values are symmetric: int8 in [-127, 127], int4 in [-7, 7], stored as value + 8
-in a nibble, two per byte: byte j of a group holds input j in its low nibble and
+values are symmetric about zero: int8 in [-127, 127] (scale = max|x| / 127);
+int4 in [-8, 7], as llama.cpp's Q4_0: the group's value of largest magnitude
+becomes -8 (scale = that value / -8, so a negative scale when it is positive), and
+the other 15 levels take the rest, an eighth finer than [-7, 7]. An int4 value is
+stored as value + 8 in a nibble, two per byte: byte j of a group holds input j in its low nibble and
 input j + GROUP/2 in its high one, so the two halves unpack with one mask and one
 shift each.
 
@@ -17,6 +20,9 @@ llama.cpp's Q8_0 and Q4_0 do: each row of activations becomes int8 per group
 of GROUP, with one float32 scale, so that products are int8 x int8 in int32.
 Every path that multiplies by an integer matrix (one row, a few, a long
 prefill through BLAS) uses the same rounded inputs, so the paths agree.
+
+int4 keeps the tied embedding and head, wte, in int8 (see format_of): its errors
+reach every logit directly, and llama.cpp's Q4_0 likewise keeps it in Q6_K.
 """
 
 from __future__ import annotations
@@ -26,9 +32,19 @@ import numpy as np
 DTYPES = ("float32", "bfloat16", "int8", "int4")
 INTEGER = ("int8", "int4")
 STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "int8": np.int8, "int4": np.uint8}  # bfloat16 as its bits
-LEVELS = {"int8": 127, "int4": 7}  # the largest |value| of each integer format
+LEVELS = {"int8": 127, "int4": 8}  # the largest |value| of each integer format
 MATRICES = ("wte", "c_attn_w", "attn_c_proj_w", "c_fc_w", "mlp_c_proj_w")
 GROUP = 32  # inputs per scale; divides every GPT-2 width (768, 1024, 1280, 1600 and 4x those)
+
+
+def format_of(field: str, dtype: str) -> str:
+    """The format in which weights of ``dtype`` keep the matrix ``field``: their own, but int8 for int4's wte."""
+    return "int8" if dtype == "int4" and field == "wte" else dtype
+
+
+def storage(field: str, dtype: str):
+    """The NumPy dtype of the matrix ``field`` in weights of ``dtype``."""
+    return STORAGE[format_of(field, dtype)]
 
 
 def to_rows(field: str, a: np.ndarray) -> np.ndarray:
@@ -40,7 +56,8 @@ from_rows = to_rows  # [out, in] back to the model's layout: the same swap
 
 
 def stored_shape(field: str, shape: tuple, dtype: str) -> tuple:
-    """Shape in which ``dtype`` stores a matrix of the model's ``shape``."""
+    """Shape in which weights of ``dtype`` store the matrix ``field`` of the model's ``shape``."""
+    dtype = format_of(field, dtype)
     if dtype not in INTEGER:
         return shape
     rows = _rows_shape(field, shape)
@@ -69,17 +86,26 @@ def from_bfloat16(bits: np.ndarray) -> np.ndarray:
 
 
 def quantize(a: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric ``dtype`` per group of GROUP along the last axis: a ~= q * scale.
+    """``dtype`` per group of GROUP along the last axis (see above): a ~= q * scale.
 
     a: float32 [..., in] -> (int8 [..., in], or packed uint8 [..., in // 2] for int4;
     float32 scales [..., in // GROUP]).
     """
-    levels = np.float32(LEVELS[dtype])
+    if a.ndim > 1 and a.shape[0] > _CHUNK_ROWS:  # a long matrix (wte) a chunk at a time: temporaries stay small
+        parts = [quantize(a[i:i + _CHUNK_ROWS], dtype) for i in range(0, a.shape[0], _CHUNK_ROWS)]
+        return np.concatenate([q for q, _ in parts]), np.concatenate([s for _, s in parts])
     grouped = _grouped(a)
-    amax = np.abs(grouped).max(axis=-1, keepdims=True)
-    scale = np.where(amax > 0, amax / levels, np.float32(1)).astype(np.float32)
-    q = np.clip(np.rint(grouped / scale), -levels, levels).astype(np.int8).reshape(a.shape)
+    if dtype == "int8":
+        extreme, low, high = np.abs(grouped).max(axis=-1, keepdims=True) / np.float32(127), -127, 127
+    else:  # the signed value of largest magnitude goes to -8
+        at = np.abs(grouped).argmax(axis=-1)[..., None]
+        extreme, low, high = np.take_along_axis(grouped, at, axis=-1) / np.float32(-8), -8, 7
+    scale = np.where(extreme != 0, extreme, np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(grouped / scale), low, high).astype(np.int8).reshape(a.shape)
     return (pack(q) if dtype == "int4" else q), scale[..., 0]
+
+
+_CHUNK_ROWS = 4096
 
 
 def dequantize(stored: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -113,7 +139,8 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def compress(field: str, a: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """(stored matrix, scales or None) of float32 ``a`` (the model's layout) in ``dtype``."""
+    """(stored matrix, scales or None) of float32 ``a`` (the model's layout) in weights of ``dtype``."""
+    dtype = format_of(field, dtype)
     if dtype == "bfloat16":
         return to_bfloat16(a), None
     if dtype in INTEGER:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from . import checks, compact
-from .compact import DTYPES, INTEGER, MATRICES, STORAGE
+from .compact import DTYPES, INTEGER, MATRICES, STORAGE, storage
 from .config import HEAD_DIM, GPT2Config
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
 
@@ -60,8 +60,9 @@ class GPT2Weights:
     V = vocab_size, P = n_positions); matrices are [in, out], so ``x @ w + b``.
     The output head is tied: logits = ln_f(x) @ wte.T. With ``dtype`` "bfloat16"
     the matrices (wte and the blocks' four) hold bfloat16 bits as uint16; with
-    "int8" or "int4" they are stored [out, in] as int8 or as packed nibbles (uint8),
-    and ``scales`` maps each to its float32 per-group scales (see compact.py).
+    "int8" or "int4" they are stored [out, in] as int8 or as packed nibbles (uint8;
+    int4 keeps wte in int8), and ``scales`` maps each to its float32 per-group
+    scales (see compact.py).
     ``matrix(field)`` gives any of them as float32 in the layout above.
     Everything else is float32 always.
     """
@@ -90,7 +91,7 @@ class GPT2Weights:
         _check_dtype(self.dtype, self.config)
         if (self.scales is not None) != (self.dtype in INTEGER):
             raise ConfigError("int8 and int4 weights need scales, and only they have them")
-        arrays = [(field, shape, STORAGE[self.dtype] if field in MATRICES else np.float32)
+        arrays = [(field, shape, storage(field, self.dtype) if field in MATRICES else np.float32)
                   for field, shape in _field_shapes(self.config)]
         for field, shape, dtype in arrays:
             stored = compact.stored_shape(field, shape, self.dtype) if field in MATRICES else shape
@@ -290,10 +291,7 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
         if prefix + name not in names:
             raise CheckpointError(f"{str(file)!r} has no tensor {prefix + name!r}")
     n_layer = len({m.group(1) for n in names if (m := re.match(rf"{re.escape(prefix)}h\.(\d+)\.", n))})
-    wte_shape = shape("wte.weight")
-    if reader.dtype(prefix + "wte.weight") == "U8":  # int4: two columns a byte
-        wte_shape = (*wte_shape[:-1], 2 * wte_shape[-1])
-    inferred = _infer_config(wte_shape, shape("wpe.weight"), n_layer, file)
+    inferred = _infer_config(shape("wte.weight"), shape("wpe.weight"), n_layer, file)
     if config is None:
         config = inferred
     elif (config.n_layer, config.n_embd, config.vocab_size, config.n_positions) != (
@@ -322,7 +320,7 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
         raise CheckpointError(f"{str(file)!r} has unexpected tensor {unknown[0]!r}; is this GPT-2?")
 
     arrays = {field: np.empty(compact.stored_shape(field, shape, dtype) if field in MATRICES else shape,
-                              STORAGE[dtype] if field in MATRICES else np.float32)
+                              storage(field, dtype) if field in MATRICES else np.float32)
               for field, shape in _field_shapes(config)}
     scales = {field: np.empty(compact.scale_shape(field, shape), np.float32)
               for field, shape in _field_shapes(config) if field in MATRICES} if dtype in INTEGER else None
@@ -335,7 +333,8 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
         if field not in MATRICES or dtype == "float32" and not integer_file:
             reader.read_into(name, arrays[field][at])
             _check_finite(name, arrays[field][at])
-        elif (dtype, reader.dtype(name)) in (("bfloat16", "BF16"), ("int8", "I8"), ("int4", "U8")):  # as stored
+        elif (compact.format_of(field, dtype), reader.dtype(name)) in (("bfloat16", "BF16"), ("int8", "I8"),
+                                                                        ("int4", "U8")):  # as stored
             reader.read_stored(name, arrays[field][at])
             if dtype in INTEGER:
                 _read_scale(f, reader, name, scales[field][at])
