@@ -27,7 +27,7 @@ from numba import typed
 from . import checks, compact
 from .config import GPT2Config
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
-from .intkernels import INT_ROWS_MAX, _int_rows, _quantize_rows, _round_rows, _widen_matrix
+from .intkernels import INT_ROWS_MAX, _int_matmul, _round_rows, _widen_matrix
 from .kernels import (
     ATTEND_TILE,
     HEAD_ROWS_MAX,
@@ -281,9 +281,7 @@ def _integer_matmul(x, q, scale, b, out, accumulate, work, threads):
     """
     T, K = x.shape
     if T <= INT_ROWS_MAX:
-        xq, xs = work.quantized(T, K)
-        _quantize_rows(x, xq, xs)
-        _int_rows(xq, xs, q, scale, b, out, accumulate, threads)
+        _int_matmul(x, *work.quantized(T, K), q, scale, b, out, accumulate, threads)
         return
     rounded = work.rounded(T, K)
     _round_rows(x, rounded)
@@ -316,9 +314,10 @@ def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None
 
 def _integer_head(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, threads: int) -> None:
     """logits = h @ wte.T for int8 or int4 wte: a few rows in integers, more widened for BLAS, as _integer_matmul."""
-    if len(h) <= INT_ROWS_MAX:
-        hq, hs = compact.quantize_rows(h)
-        _int_rows(hq, hs, w.wte, w.scales["wte"], None, logits, False, threads)
+    R, C = h.shape
+    if R <= INT_ROWS_MAX:
+        hq, hs = np.empty((R, C), np.int8), np.empty((R, C // compact.GROUP), np.float32)
+        _int_matmul(h, hq, hs, w.wte, w.scales["wte"], None, logits, False, threads)
     else:
         _head_integer(w.wte, w.scales["wte"], head_inputs(w, h), logits, threads)
 

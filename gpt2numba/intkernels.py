@@ -225,6 +225,13 @@ def _int_rows(xq, xs, w, scale, b, out, accumulate, n_blocks):
                 out[t, n] = out[t, n] + acc if accumulate else acc
 
 
+@njit(cache=True, nogil=True)
+def _int_matmul(x, xq, xs, w, scale, b, out, accumulate, n_blocks):
+    """out (+)= x @ W.T (+ b): x quantised into xq, xs (_quantize_rows), then _int_rows; one call from Python."""
+    _quantize_rows(x, xq, xs)
+    _int_rows(xq, xs, w, scale, b, out, accumulate, n_blocks)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _widen_matrix(w, scale, out):
     """out = float32 values of an integer matrix, [out, in] as stored. w: int8 (N, K) or

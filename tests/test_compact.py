@@ -108,11 +108,17 @@ def test_int_rows(shape, N, n_blocks, accumulate, bias, dtype, seed):
     rng = np.random.default_rng(seed)
     T, K = shape
     stored, scale = compact.quantize(randn(rng, N, K), dtype)
-    xq, xs = compact.quantize_rows(randn(rng, T, K))
+    x = randn(rng, T, K)
+    xq, xs = compact.quantize_rows(x)
     b, out = randn(rng, N) if bias else None, randn(rng, T, N)
     ref = (out.astype(np.float64) if accumulate else 0) + compact.dequantize(xq, xs) @ compact.dequantize(stored, scale).T
+    ref += b if bias else 0
+    fused = out.copy()
     intkernels._int_rows(xq, xs, stored, scale, b, out, accumulate, n_blocks)
-    np.testing.assert_allclose(out, ref + (b if bias else 0), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+    # the same from x, quantised on the way (_int_matmul, what forward calls)
+    intkernels._int_matmul(x, np.empty_like(xq), np.empty_like(xs), stored, scale, b, fused, accumulate, n_blocks)
+    np.testing.assert_array_equal(fused, out)
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86's multiply-add instructions")

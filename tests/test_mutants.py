@@ -14,7 +14,7 @@ import gpt2numba as g
 import helpers
 import test_score
 from conftest import TINY
-from gpt2numba import forward, kernels
+from gpt2numba import forward, intkernels, kernels
 from numba import typed
 
 CAUGHT = (AssertionError, g.GPT2NumbaError)
@@ -191,9 +191,11 @@ def test_catches_scoring_a_token_from_its_own_logits(tiny, monkeypatch):
 # --- the integer formats ------------------------------------------------------------------------------
 
 def _int_rows_mutant(monkeypatch, change):
-    """forward's integer products with (x, x scales, w, w scales) changed by ``change`` first."""
-    real = forward._int_rows
-    monkeypatch.setattr(forward, "_int_rows", lambda xq, xs, w, scale, *rest: real(*change(xq, xs, w, scale), *rest))
+    """forward's integer products with (quantised x, x scales, w, w scales) changed by ``change`` first."""
+    def int_matmul(x, xq, xs, w, scale, *rest):
+        intkernels._quantize_rows(x, xq, xs)
+        intkernels._int_rows(*change(xq, xs, w, scale), *rest)
+    monkeypatch.setattr(forward, "_int_matmul", int_matmul)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
