@@ -15,7 +15,7 @@ from checkpoints import write_dir
 from conftest import TINY
 from gpt2numba import compact, intkernels, kernels, oracle
 from gpt2numba.intkernels import INT_ROWS_MAX
-from helpers import check_chunks, check_prefill, randn
+from helpers import check_chunks, check_generate_batch, check_prefill, randn
 
 COMPACT = ["bfloat16", "int8", "int4"]
 INTEGER = ["int8", "int4"]
@@ -211,6 +211,14 @@ def test_gpt2_small_compact_decode(small, dtype, rng):
     w = small.astype(dtype)
     ids = rng.integers(0, 50257, 24)
     check_chunks(ids, [20, 21, 22, 23], w, f"small {dtype}")
+
+
+@pytest.mark.parametrize("dtype", COMPACT)
+def test_generation_compact(tiny, dtype):
+    """Greedy generation on compact weights: batched (prompts joining and leaving) as one at a time."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (1, 3, 40, 7, 20)]
+    check_generate_batch(prompts, tiny.astype(dtype), batch_size=2)
 
 
 @pytest.mark.parametrize("dtype", INTEGER)
