@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import gpt2numba as g
 from conftest import TINY, TINY_GPT2
+from gpt2numba import compact, oracle
 from helpers import LENGTHS, check_batch_rounds, check_generate_batch
 from test_prefill import prompts
 
@@ -46,23 +47,28 @@ def test_ragged_batches_gpt2_small(small, plans, data):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 def test_batch_rows_equal_single_sequence_rows(tiny, rng, dtype):
-    """prefill_batch and decode_batch rows equal prefill and decode_step on their own, to 1e-5."""
+    """prefill_batch and decode_batch rows equal prefill and decode_step on their own, to 1e-5.
+
+    The integer formats' 63-row batch goes through BLAS and the sequences alone through the
+    integer kernels: equal up to inputs on a rounding tie (see oracle.ATOL_INTEGER).
+    """
     w = tiny.astype(dtype)
+    atol = oracle.ATOL_INTEGER if dtype in compact.INTEGER else 1e-5
     seqs = [rng.integers(0, TINY.vocab_size, n) for n in (1, 5, 40, 17)]
     batch = [g.ModelCache(TINY) for _ in seqs]
     alone = [g.ModelCache(TINY) for _ in seqs]
     rows = g.prefill_batch(seqs, w, batch)
     assert rows.shape == (len(seqs), TINY.vocab_size) and rows.dtype == np.float32
     for row, ids, mc in zip(rows, seqs, alone):
-        np.testing.assert_allclose(row, g.prefill(ids, w, mc), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(row, g.prefill(ids, w, mc), atol=atol, rtol=0)
     for step in range(3):
         tokens = rng.integers(0, TINY.vocab_size, len(seqs))
         rows = g.decode_batch(tokens, w, batch)
         for row, token, mc in zip(rows, tokens, alone):
-            np.testing.assert_allclose(row, g.decode_step(int(token), w, mc), atol=1e-5, rtol=0)
+            np.testing.assert_allclose(row, g.decode_step(int(token), w, mc), atol=atol, rtol=0)
     for a, b in zip(batch, alone):
         assert a.length == b.length
-        np.testing.assert_allclose(a.keys(), b.keys(), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(a.keys(), b.keys(), atol=atol, rtol=0)
 
 
 def test_out_receives_the_logits(tiny):
