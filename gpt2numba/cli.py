@@ -428,7 +428,8 @@ def _check(args) -> int:
     # batched rows against the rows each prompt got alone (the oracle already vouched for those)
     alone = [np.stack([steps[i] for _, steps, *_ in runs]) for i in range(len(batch_steps))]  # (B, V) per step
     gap = max(float(np.abs(batch - ref).max()) for batch, ref in zip(batch_steps, alone))
-    ok = gap <= 1e-4 and all((batch.argmax(1) == ref.argmax(1)).all() for batch, ref in zip(batch_steps, alone))
+    ok = all(agreement(b, r, w.dtype)[0] for batch, ref in zip(batch_steps, alone) for b, r in zip(batch, ref)) and (
+        gap <= 1e-4 or w.dtype in INTEGER)  # the integer formats: a batch may round a tie the other way
     failures += not ok
     B = len(prompts)
     decode_rate = f"{B / np.median(batch_decode_s):.0f} tokens/s" if batch_decode_s else "-"
