@@ -11,9 +11,9 @@ values are symmetric about zero: int8 in [-127, 127] (scale = max|x| / 127);
 int4 in [-8, 7], as llama.cpp's Q4_0: the group's value of largest magnitude
 becomes -8 (scale = that value / -8, so a negative scale when it is positive), and
 the other 15 levels take the rest, an eighth finer than [-7, 7]. An int4 value is
-stored as value + 8 in a nibble, two per byte: byte j of a group holds input j in its low nibble and
-input j + GROUP/2 in its high one, so the two halves unpack with one mask and one
-shift each.
+stored as value + 8 in a nibble, two per byte: byte j of a group holds input j in
+its low nibble and input j + GROUP/2 in its high one, so the two halves unpack with
+one mask and one shift each.
 
 The integer formats quantise the inputs of their matrix products too, as
 llama.cpp's Q8_0 and Q4_0 do: each row of activations becomes int8 per group
@@ -35,6 +35,7 @@ STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "int8": np.int8, "int4"
 LEVELS = {"int8": 127, "int4": 8}  # the largest |value| of each integer format
 MATRICES = ("wte", "c_attn_w", "attn_c_proj_w", "c_fc_w", "mlp_c_proj_w")
 GROUP = 32  # inputs per scale; divides every GPT-2 width (768, 1024, 1280, 1600 and 4x those)
+_CHUNK_ROWS = 4096  # quantize() takes a longer matrix (wte) this many rows at a time: small temporaries
 
 
 def format_of(field: str, dtype: str) -> str:
@@ -91,21 +92,19 @@ def quantize(a: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     a: float32 [..., in] -> (int8 [..., in], or packed uint8 [..., in // 2] for int4;
     float32 scales [..., in // GROUP]).
     """
-    if a.ndim > 1 and a.shape[0] > _CHUNK_ROWS:  # a long matrix (wte) a chunk at a time: temporaries stay small
+    if a.ndim > 1 and a.shape[0] > _CHUNK_ROWS:
         parts = [quantize(a[i:i + _CHUNK_ROWS], dtype) for i in range(0, a.shape[0], _CHUNK_ROWS)]
         return np.concatenate([q for q, _ in parts]), np.concatenate([s for _, s in parts])
-    grouped = _grouped(a)
+    grouped, levels = _grouped(a), LEVELS[dtype]
     if dtype == "int8":
-        extreme, low, high = np.abs(grouped).max(axis=-1, keepdims=True) / np.float32(127), -127, 127
-    else:  # the signed value of largest magnitude goes to -8
+        extreme, low, high = np.abs(grouped).max(axis=-1, keepdims=True) / np.float32(levels), -levels, levels
+    else:  # the signed value of largest magnitude goes to -levels
         at = np.abs(grouped).argmax(axis=-1)[..., None]
-        extreme, low, high = np.take_along_axis(grouped, at, axis=-1) / np.float32(-8), -8, 7
+        extreme, low, high = np.take_along_axis(grouped, at, axis=-1) / np.float32(-levels), -levels, levels - 1
     scale = np.where(extreme != 0, extreme, np.float32(1)).astype(np.float32)
     q = np.clip(np.rint(grouped / scale), low, high).astype(np.int8).reshape(a.shape)
     return (pack(q) if dtype == "int4" else q), scale[..., 0]
 
-
-_CHUNK_ROWS = 4096
 
 
 def dequantize(stored: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -125,17 +124,6 @@ def unpack(p: np.ndarray) -> np.ndarray:
     p = p.reshape(*p.shape[:-1], -1, GROUP // 2)
     q = np.stack([p & 15, p >> 4], axis=-2).astype(np.int8) - np.int8(8)
     return q.reshape(*p.shape[:-2], -1)
-
-
-def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The integer formats' inputs: int8 per group of GROUP, scale = max|x| / 127 in float32,
-    q = rint(x / scale) (0 where a group is all zeros). x: float32 [..., K]. The kernels'
-    _quantize_rows computes the same, bit for bit."""
-    grouped = _grouped(np.asarray(x, np.float32))
-    scale = (np.abs(grouped).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(scale > 0, np.rint(grouped / scale), 0).astype(np.int8)
-    return q.reshape(x.shape), scale[..., 0]
 
 
 def compress(field: str, a: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:

@@ -38,8 +38,7 @@ from .kernels import (
     _gelu,
     _gemv_bf16,
     _head,
-    _head_bf16,
-    _head_integer,
+    _head_compact,
     _head_rows,
     _layernorm,
     _linear,
@@ -300,26 +299,26 @@ def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None
     def head(h: np.ndarray, threads: int) -> np.ndarray:
         # the tied head wte; BLAS already pinned by _forward
         logits = np.empty((len(h), V), np.float32) if out is None else out
-        if w.scales:
-            _integer_head(w, h, logits, threads)
-        elif 2 <= len(h) <= HEAD_ROWS_MAX:
-            _head_rows(w.wte, h, logits, threads)
-        elif w.dtype == "float32":
-            _head(w.wte, h, logits, threads)
-        else:
-            _head_bf16(w.wte, h, logits, threads)
+        _head_logits(w, h, logits, threads)
         return logits
     return head
 
 
-def _integer_head(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, threads: int) -> None:
-    """logits = h @ wte.T for int8 or int4 wte: a few rows in integers, more widened for BLAS, as _integer_matmul."""
+def _head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, threads: int) -> None:
+    """logits = h @ wte.T, by the kernel that suits wte's format and the rows. The integer
+    formats: a few rows in integers, more widened for BLAS, as _integer_matmul."""
     R, C = h.shape
-    if R <= INT_ROWS_MAX:
+    if w.scales and R <= INT_ROWS_MAX:
         hq, hs = np.empty((R, C), np.int8), np.empty((R, C // compact.GROUP), np.float32)
         _int_matmul(h, hq, hs, w.wte, w.scales["wte"], None, logits, False, threads)
+    elif w.scales:
+        _head_compact(w.wte, w.scales["wte"], head_inputs(w, h), logits, threads)
+    elif 2 <= R <= HEAD_ROWS_MAX:
+        _head_rows(w.wte, h, logits, threads)
+    elif w.dtype == "float32":
+        _head(w.wte, h, logits, threads)
     else:
-        _head_integer(w.wte, w.scales["wte"], head_inputs(w, h), logits, threads)
+        _head_compact(w.wte, None, h, logits, threads)
 
 
 def head_inputs(w: GPT2Weights, h: np.ndarray) -> np.ndarray:

@@ -3,9 +3,8 @@
 A product with an integer matrix takes its input rows quantised to int8 per group
 of GROUP (_quantize_rows). Up to INT_ROWS_MAX rows, _int_rows multiplies int8 by
 int8 (int4 unpacked in registers) into int32, one group at a time, and scales once
-per group; _dot_group is written in LLVM's vector IR so that the compiler emits
-the CPU's 8-bit multiply-add (pmaddwd, or vpdpwssd / vpdpbusd with VNNI) on every
-x86 it targets. More rows go to BLAS: the matrix widened (_widen_matrix), the
+per group; its dot product, _dot_row, is written in LLVM's vector IR so that every
+x86 gets the CPU's 8-bit multiply-add (pmaddwd, at the widest width it has). More rows go to BLAS: the matrix widened (_widen_matrix), the
 inputs rounded to the same int8 values (_round_rows).
 
 Private and unchecked, as kernels.py: callers in forward.py validate.
@@ -85,9 +84,8 @@ def _dot_row(typingctx, w, ws, x, xs):
     its low nibble, w_{j+GROUP/2} + 8 in its high one); ws: float32 (K // GROUP,), w's
     scales; x: int8 (K,); xs: float32 (K // GROUP,). Written as LLVM vector IR: per
     group, the 8-bit operands are sign-extended and multiplied in adjacent pairs that
-    are summed (the pattern x86 backends lower to pmaddwd, or vpdpwssd with VNNI), the
-    GROUP/2 int32 sums converted to float and scaled into a vector accumulator; lanes
-    are summed once per row. Unchecked: K is a multiple of GROUP, at least GROUP.
+    are summed (_madd_pairs: pmaddwd on x86), the GROUP/2 int32 sums converted to float
+    and scaled into a vector accumulator; lanes are summed once per row. Unchecked: K is a multiple of GROUP, at least GROUP.
     """
     def is_row(a, *dtypes):
         return isinstance(a, types.Array) and a.dtype in dtypes and a.ndim == 1 and a.layout == "C"
@@ -107,9 +105,6 @@ def _dot_row(typingctx, w, ws, x, xs):
 
         def load(ptr, at, ty):
             return builder.load(builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=1)
-
-        def shuffle(v, lanes):
-            return builder.shuffle_vector(v, v, ir.Constant(vec(i32, len(lanes)), lanes))
 
         groups = builder.extract_value(wsa.shape, 0)
         entry, loop, done = builder.block, builder.append_basic_block("dot_row"), builder.append_basic_block("dot_row_done")
@@ -143,7 +138,7 @@ def _dot_row(typingctx, w, ws, x, xs):
         lanes = step
         while lanes.type.count > 1:  # halve the lanes until one is left
             n = lanes.type.count // 2
-            lanes = builder.fadd(shuffle(lanes, list(range(n))), shuffle(lanes, list(range(n, 2 * n))))
+            lanes = builder.fadd(_lanes(builder, lanes, range(n)), _lanes(builder, lanes, range(n, 2 * n)))
         return builder.extract_element(lanes, ir.Constant(i32, 0))
 
     return types.float32(w, ws, x, xs), codegen
@@ -171,7 +166,7 @@ def _widen_group_typed(row, g, s, out):
 
 @njit(cache=True, nogil=True)
 def _quantize_rows(x, xq, xs):
-    """xq, xs = int8 x per group of GROUP, as compact.quantize_rows (bit for bit).
+    """xq, xs = int8 x per group of GROUP: scale = max|x| / 127, q = rint(x / scale), 0 for an all-zero group.
 
     x: float32 (T, K); xq: int8 (>= T, K); xs: float32 (>= T, K // GROUP).
     No fastmath: the division must round as NumPy's does.

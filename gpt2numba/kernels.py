@@ -188,8 +188,9 @@ HEAD_ROWS_MAX = 16
 def _head_rows(wte, h, out, n_blocks):
     """Tied output head for a few rows: out = h @ W.T, W = widen(wte), read as stored.
 
-    wte: (V, C) float32 or bfloat16 bits; h: (R, C); out: (R, V). Each thread streams a block of vocabulary rows, four
-    at a time, and takes every row's dot products with them while they are in cache.
+    wte: (V, C) float32 or bfloat16 bits; h: (R, C); out: (R, V). Each thread streams a block
+    of vocabulary rows, four at a time, and takes every row's dot products with them while
+    they are in cache.
     """
     V = wte.shape[0]
     step = ((V + n_blocks - 1) // n_blocks + 3) // 4 * 4
@@ -458,37 +459,28 @@ def _reduce(partial, b, out, accumulate):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _head_bf16(wte, h, out, n_blocks):
-    """out = h @ wte.T, wte bfloat16 (V, C) as uint16; h: (R, C); out: (R, V).
+def _head_compact(wte, scale, h, out, n_blocks):
+    """out = h @ W.T for a compact wte (V, C): bfloat16 bits with scale None, or int8 / packed int4
+    with scales (V, C // GROUP) and h already rounded as the integer formats' inputs are
+    (intkernels._round_rows); h: (R, C); out: (R, V).
 
-    One row: a dot product per vocabulary row, widened in registers. Several:
-    HEAD_CHUNK vocabulary rows at a time widened to float32, then BLAS.
+    One row of bfloat16: a dot product per vocabulary row, widened in registers. Otherwise
+    each thread widens HEAD_CHUNK vocabulary rows of its block at a time, then BLAS.
     """
-    V, C = wte.shape
-    R = h.shape[0]
+    V = wte.shape[0]
+    R, C = h.shape
     step = (V + n_blocks - 1) // n_blocks
     for blk in prange(n_blocks):
         lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
-        if R == 1:
+        if R == 1 and scale is None:
             for v in range(lo, hi):
                 row = wte[v]
                 s = np.float32(0.0)
                 for c in range(C):
-                    s += _as_float32(np.uint32(row[c]) << 16) * h[0, c]
+                    s += _widen(row[c]) * h[0, c]
                 out[0, v] = s
-            continue
-        _head_widened(wte, None, h, lo, hi, out)
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _head_integer(q, scale, h, out, n_blocks):
-    """out = h @ W.T for many rows, W int8 or int4 (V, C) with scales (V, C // GROUP), h already
-    rounded as the integer formats' inputs are (intkernels._round_rows); out: (R, V). Each thread
-    widens HEAD_CHUNK vocabulary rows of its block at a time, then BLAS."""
-    V = q.shape[0]
-    step = (V + n_blocks - 1) // n_blocks
-    for blk in prange(n_blocks):
-        _head_widened(q, scale, h, min(V, blk * step), min(V, (blk + 1) * step), out)
+        else:
+            _head_widened(wte, scale, h, lo, hi, out)
 
 
 @njit(cache=True, nogil=True)

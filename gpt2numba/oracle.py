@@ -7,6 +7,7 @@ forward.py must agree with it. Shapes: T = sequence length, C = n_embd.
 import numpy as np
 
 from . import checks
+from .compact import INTEGER
 from .errors import TokenError
 from .weights import GPT2Weights
 
@@ -80,7 +81,7 @@ ATOL_INTEGER = 0.1
 def agreement(logits, ref, dtype: str) -> tuple[bool, str]:
     """Whether engine logits (V,) agree with these, ``ref``: allclose within the tolerance for
     weights of ``dtype``, and the same argmax unless the oracle's top two are within it."""
-    atol = ATOL_INTEGER if dtype in ("int8", "int4") else ATOL
+    atol = ATOL_INTEGER if dtype in INTEGER else ATOL
     diff = float(np.abs(logits - ref).max())
     if not np.allclose(logits, ref, atol=atol, rtol=RTOL):
         return False, f"max |diff| {diff:.3g} (atol={atol}, rtol={RTOL})"
@@ -115,7 +116,7 @@ def final_states(ids, w: GPT2Weights):
     ids = checks.token_ids(ids, w.config.vocab_size)
     if len(ids) > w.config.n_positions:
         raise TokenError(f"{len(ids)} tokens is more than n_positions={w.config.n_positions}")
-    inputs = int8_inputs if w.dtype in ("int8", "int4") else exact
+    inputs = int8_inputs if w.dtype in INTEGER else exact
     w = w.dequantized()
     T = len(ids)
     x = w.wte[ids].astype(np.float64) + w.wpe[:T].astype(np.float64)  # [T, C]

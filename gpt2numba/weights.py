@@ -325,7 +325,7 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
     scales = {field: np.empty(compact.scale_shape(field, shape), np.float32)
               for field, shape in _field_shapes(config) if field in MATRICES} if dtype in INTEGER else None
     for name, (field, layer, model_shape) in expected.items():
-        got, kind = shape(name[len(prefix):]), _FILE_INTEGER.get(reader.dtype(name))
+        got, kind = shape(name[len(prefix):]), _FILE_FORMATS.get(reader.dtype(name))
         want = compact.stored_shape(field, model_shape, kind) if kind and field in MATRICES else model_shape
         if got != want:
             raise CheckpointError(f"tensor {name!r} has shape {list(got)}, expected {list(want)}")
@@ -333,8 +333,7 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
         if field not in MATRICES or dtype == "float32" and not integer_file:
             reader.read_into(name, arrays[field][at])
             _check_finite(name, arrays[field][at])
-        elif (compact.format_of(field, dtype), reader.dtype(name)) in (("bfloat16", "BF16"), ("int8", "I8"),
-                                                                        ("int4", "U8")):  # as stored
+        elif kind == compact.format_of(field, dtype):  # as stored
             reader.read_stored(name, arrays[field][at])
             if dtype in INTEGER:
                 _read_scale(f, reader, name, scales[field][at])
@@ -361,12 +360,12 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
 
 
 _SCALE = "_scale"  # an int8 or int4 file's scales of tensor NAME: NAME_scale (save_weights writes them)
-_FILE_INTEGER = {"I8": "int8", "U8": "int4"}  # the integer formats' tensors in a file, by safetensors dtype
+_FILE_FORMATS = {"BF16": "bfloat16", "I8": "int8", "U8": "int4"}  # a file's tensors in our formats, by safetensors dtype
 
 
 def _read_scale(f, reader, name, dest):
     if name + _SCALE not in reader.header:
-        raise CheckpointError(f"{_FILE_INTEGER[reader.dtype(name)]} tensor {name!r} has no {name + _SCALE!r}")
+        raise CheckpointError(f"{_FILE_FORMATS[reader.dtype(name)]} tensor {name!r} has no {name + _SCALE!r}")
     got = tuple(f.get_slice(name + _SCALE).get_shape())
     if got != dest.shape or reader.dtype(name + _SCALE) != "F32":
         raise CheckpointError(f"tensor {name + _SCALE!r} is not F32 of shape {list(dest.shape)}")
@@ -376,8 +375,8 @@ def _read_scale(f, reader, name, dest):
 
 def _read_float32(f, reader, name, field, shape) -> np.ndarray:
     """One matrix's float32 values in the model's layout ``shape``, dequantised if the file holds int8 or int4."""
-    kind = _FILE_INTEGER.get(reader.dtype(name))
-    if kind is None:
+    kind = _FILE_FORMATS.get(reader.dtype(name))
+    if kind not in INTEGER:
         values = np.empty(shape, np.float32)
         reader.read_into(name, values)
         return values

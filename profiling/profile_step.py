@@ -25,10 +25,9 @@ MATRIX_KINDS = {"c_attn_w": "qkv (c_attn)", "attn_c_proj_w": "attn c_proj",
 
 def instrument(totals, cfg):
     """Replace forward's kernels with timed wrappers; return a function that undoes it."""
-    head = lambda *a, **k: "head (wte)"  # noqa: E731
     kinds = {"_layernorm": lambda *a, **k: "layernorm", "_write_kv": lambda *a, **k: "cache write",
              "_attend": lambda *a, **k: "attention", "_gelu": lambda *a, **k: "gelu",
-             "_head": head, "_head_bf16": head, "_integer_head": head, "_head_rows": head,
+             "_head_logits": lambda *a, **k: "head (wte)",
              "_matmul": lambda x, field, *a, **k: MATRIX_KINDS[field]}
     saved = {name: getattr(forward, name) for name in kinds}
 

@@ -18,7 +18,7 @@ from gpt2numba.intkernels import INT_ROWS_MAX
 from helpers import check_chunks, check_generate_batch, check_prefill, randn
 
 COMPACT = ["bfloat16", "int8", "int4"]
-INTEGER = ["int8", "int4"]
+INTEGER = list(compact.INTEGER)
 
 
 # --- the formats -----------------------------------------------------------------------------
@@ -81,18 +81,28 @@ def test_gemv_bfloat16(K, N, n_blocks, accumulate, seed):
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
+def quantize_rows(x):
+    """NumPy's twin of intkernels._quantize_rows, the integer formats' inputs: int8 per group of 32,
+    scale = max|x| / 127 in float32, q = rint(x / scale), 0 where a group is all zeros."""
+    grouped = x.reshape(*x.shape[:-1], -1, compact.GROUP)
+    scale = (np.abs(grouped).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale > 0, np.rint(grouped / scale), 0).astype(np.int8)
+    return q.reshape(x.shape), scale[..., 0]
+
+
 rows = st.integers(1, 5).flatmap(lambda T: st.integers(1, 4).map(lambda n: (T, n * compact.GROUP)))
 
 
 @given(shape=rows, zero_group=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_quantize_rows(shape, zero_group, seed):
-    """The kernel quantises the inputs exactly as compact.quantize_rows (int8 values and scales)."""
+    """The kernel quantises the inputs exactly as NumPy does (int8 values and scales)."""
     x = randn(np.random.default_rng(seed), *shape)
     if zero_group:
         x[0, : compact.GROUP] = 0.0
     q, s = np.empty(shape, np.int8), np.empty((shape[0], shape[1] // compact.GROUP), np.float32)
     intkernels._quantize_rows(x, q, s)
-    ref_q, ref_s = compact.quantize_rows(x)
+    ref_q, ref_s = quantize_rows(x)
     np.testing.assert_array_equal(q, ref_q)
     np.testing.assert_array_equal(s, ref_s)
     assert (np.abs(q) <= 127).all() and (np.abs(compact.dequantize(q, s) - x) <= 0.5 * np.repeat(s, 32, -1) + 1e-7).all()
@@ -109,7 +119,7 @@ def test_int_rows(shape, N, n_blocks, accumulate, bias, dtype, seed):
     T, K = shape
     stored, scale = compact.quantize(randn(rng, N, K), dtype)
     x = randn(rng, T, K)
-    xq, xs = compact.quantize_rows(x)
+    xq, xs = quantize_rows(x)
     b, out = randn(rng, N) if bias else None, randn(rng, T, N)
     ref = (out.astype(np.float64) if accumulate else 0) + compact.dequantize(xq, xs) @ compact.dequantize(stored, scale).T
     ref += b if bias else 0
@@ -126,7 +136,7 @@ def test_int_rows(shape, N, n_blocks, accumulate, bias, dtype, seed):
 def test_int_rows_uses_the_integer_multiply_add(dtype):
     """The hot loop multiplies 8-bit integers with the CPU's multiply-add (pmaddwd, or VNNI's), not scalar code."""
     stored, scale = compact.quantize(np.ones((4, 64), np.float32), dtype)
-    xq, xs = compact.quantize_rows(np.ones((1, 64), np.float32))
+    xq, xs = quantize_rows(np.ones((1, 64), np.float32))
     fresh = numba.njit(intkernels._int_rows.py_func, parallel=True)  # not from the cache, which keeps no assembly
     fresh(xq, xs, stored, scale, None, np.empty((1, 4), np.float32), False, 1)
     asm = "\n".join(fresh.inspect_asm().values()).lower()
@@ -138,10 +148,7 @@ def test_int_rows_uses_the_integer_multiply_add(dtype):
 def test_head(V, C, R, n_blocks, dtype, seed):
     def head(stored, scale, h, out):
         with threadpool_limits(1, user_api="blas"):
-            if dtype == "bfloat16":
-                kernels._head_bf16(stored, h, out, n_blocks)
-            else:  # the integer formats' head over many rows takes h rounded as their inputs are
-                kernels._head_integer(stored, scale, h, out, n_blocks)
+            kernels._head_compact(stored, scale, h, out, n_blocks)  # (the integer formats' callers round h first)
     check_head(head, V, C, R, dtype, seed)
 
 
