@@ -148,6 +148,27 @@ def get_threads() -> int:
     return numba.get_num_threads()
 
 
+def _passive_openmp() -> None:
+    """Where Numba's threads will run on OpenMP (no TBB installed, or OpenMP chosen), make them
+    sleep at a barrier instead of spinning for milliseconds: on a busy machine a spinning thread
+    holds the core that a preempted one is waiting for (docs/performance.md, "A busy machine").
+    Set before Numba first loads OpenMP; a user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins."""
+    from importlib import metadata
+
+    layer = numba.config.THREADING_LAYER
+    try:
+        metadata.version("tbb")
+        tbb = True
+    except metadata.PackageNotFoundError:
+        tbb = False
+    if (layer == "omp" or not tbb and layer != "workqueue") and not (
+            {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)):
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+_passive_openmp()
+
+
 # --- validation: everything is checked before any cache is touched -----------------------------------
 
 def _pairs(items, caches, what: str) -> tuple[list, list[ModelCache]]:
@@ -196,13 +217,20 @@ def _token(token_id, w: GPT2Weights, mc, label: str) -> np.ndarray:
     return np.array([token_id], np.int64)
 
 
+# Chunks of work per thread in every parallel kernel, claimed as threads are free (chunks.py):
+# on a busy machine a thread that keeps its core takes over the chunks of one that lost it.
+# At least MIN_CHUNKS, so that 1 and 2 threads cut the work alike and give the same bits.
+CHUNKS_PER_THREAD = 4
+MIN_CHUNKS = 8
+
+
 # --- the forward pass -----------------------------------------------------------------------------------
 
 def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], head, every_row: bool = False):
     """All blocks over the checked new ids of B sequences; then ``head`` on the final rows.
 
     seqs[b]: int64 (T_b,) ids at positions caches[b].length..; the caches are
-    distinct and have room. head(h, threads) takes h: float32 (R, C), the rows
+    distinct and have room. head(h, chunks) takes h: float32 (R, C), the rows
     after ln_f (each sequence's last row, or with every_row all N rows in order),
     and returns the result: the logits, or what scoring keeps of them. The
     caches' lengths move only once the head has succeeded.
@@ -214,14 +242,15 @@ def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], h
     pos0 = np.array([mc.length for mc in caches], np.int64)  # (B,) position of each first row
     N = int(row0[-1])
     threads = numba.get_num_threads()
+    chunks = max(MIN_CHUNKS, threads * CHUNKS_PER_THREAD)
     work = _workspace(w, N, threads)
     x, h, qkv, a, f = work.x[:N], work.h[:N], work.qkv[:N], work.a[:N], work.f[:N]
     x[...] = _embed(np.concatenate(seqs), np.repeat(pos0 - row0[:-1], counts) + np.arange(N), w)
     ks, vs = typed.List([mc.k for mc in caches]), typed.List([mc.v for mc in caches])
     written = np.repeat(pos0[:, None], cfg.n_layer, axis=1)  # (B, n_layer) positions each layer holds
-    tiles, bounds = _attention_plan(row0, pos0, cfg.n_head, threads)
+    tiles, bounds = _attention_plan(row0, pos0, cfg.n_head, chunks)
     eps = cfg.layer_norm_epsilon
-    linear = functools.partial(_matmul, w=w, work=work, threads=threads)
+    linear = functools.partial(_matmul, w=w, work=work, chunks=chunks)
     with _one_blas_thread():
         for layer in range(cfg.n_layer):
             _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
@@ -240,7 +269,7 @@ def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], h
         rows = x if every_row else x[row0[1:] - 1]
         h = np.empty_like(rows)  # (R, C)
         _layernorm(rows, w.ln_f_g, w.ln_f_b, eps, h)
-        result = head(h, threads)
+        result = head(h, chunks)
     for mc, layers in zip(caches, written):
         mc._commit(layers)
     return result
@@ -252,27 +281,27 @@ def _embed(ids: np.ndarray, positions: np.ndarray, w: GPT2Weights) -> np.ndarray
     return rows + w.wpe[positions]
 
 
-def _matmul(x, field, layer, b, out, accumulate, w, work, threads):
+def _matmul(x, field, layer, b, out, accumulate, w, work, chunks):
     """out (+)= x @ (layer's matrix ``field``) + b, whatever the matrix's storage."""
     T, K = x.shape
     matrix = getattr(w, field)[layer]
     if w.scales:
-        _integer_matmul(x, matrix, w.scales[field][layer], b, out, accumulate, work, threads)
+        _integer_matmul(x, matrix, w.scales[field][layer], b, out, accumulate, work, chunks)
         return
-    scratch = work.scratch(T, threads)
+    scratch = work.scratch(T, chunks)
     if 2 <= T <= ROWS_MAX and K % 8 == 0:  # a few rows read the matrix as stored
-        _linear_rows(x, matrix, b, scratch, out, accumulate, threads)
+        _linear_rows(x, matrix, b, scratch, out, accumulate, chunks)
     elif w.dtype == "float32":
-        _linear(x, matrix, b, scratch, out, accumulate, threads, _split_k(T))
+        _linear(x, matrix, b, scratch, out, accumulate, chunks, _split_k(T))
     elif T == 1:  # one row reads the bfloat16 matrix itself
-        _gemv_bf16(x, matrix, b, scratch, out, accumulate, threads)
+        _gemv_bf16(x, matrix, b, scratch, out, accumulate, chunks)
     else:  # many rows: widen the matrix once, then multiply as float32
         dense = work.dense(matrix.shape)
         _expand_bf16(matrix, dense)
-        _linear(x, dense, b, scratch, out, accumulate, threads, _split_k(T))
+        _linear(x, dense, b, scratch, out, accumulate, chunks, _split_k(T))
 
 
-def _integer_matmul(x, q, scale, b, out, accumulate, work, threads):
+def _integer_matmul(x, q, scale, b, out, accumulate, work, chunks):
     """out (+)= x @ W.T (+ b) for an int8 or int4 matrix W [out, in], its input rounded to int8 per group.
 
     A few rows multiply in integers, reading W as stored; more widen W and round x to
@@ -280,13 +309,13 @@ def _integer_matmul(x, q, scale, b, out, accumulate, work, threads):
     """
     T, K = x.shape
     if T <= INT_ROWS_MAX:
-        _int_matmul(x, *work.quantized(T, K), q, scale, b, out, accumulate, threads)
+        _int_matmul(x, *work.quantized(T, K), q, scale, b, out, accumulate, chunks)
         return
     rounded = work.rounded(T, K)
     _round_rows(x, rounded)
     dense = work.dense((q.shape[0], K))
     _widen_matrix(q, scale, dense)
-    _linear_t(rounded, dense, b, work.scratch(T, threads), out, accumulate, threads)
+    _linear_t(rounded, dense, b, work.scratch(T, chunks), out, accumulate, chunks)
 
 
 def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None = None):
@@ -296,29 +325,29 @@ def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None
                             or not out.flags.c_contiguous or not out.flags.writeable):
         raise ConfigError(f"out must be a writeable, C-contiguous float32 array of shape {(rows, V)}")
 
-    def head(h: np.ndarray, threads: int) -> np.ndarray:
+    def head(h: np.ndarray, chunks: int) -> np.ndarray:
         # the tied head wte; BLAS already pinned by _forward
         logits = np.empty((len(h), V), np.float32) if out is None else out
-        _head_logits(w, h, logits, threads)
+        _head_logits(w, h, logits, chunks)
         return logits
     return head
 
 
-def _head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, threads: int) -> None:
+def _head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, chunks: int) -> None:
     """logits = h @ wte.T, by the kernel that suits wte's format and the rows. The integer
     formats: a few rows in integers, more widened for BLAS, as _integer_matmul."""
     R, C = h.shape
     if w.scales and R <= INT_ROWS_MAX:
         hq, hs = np.empty((R, C), np.int8), np.empty((R, C // compact.GROUP), np.float32)
-        _int_matmul(h, hq, hs, w.wte, w.scales["wte"], None, logits, False, threads)
+        _int_matmul(h, hq, hs, w.wte, w.scales["wte"], None, logits, False, chunks)
     elif w.scales:
-        _head_compact(w.wte, w.scales["wte"], head_inputs(w, h), logits, threads)
+        _head_compact(w.wte, w.scales["wte"], head_inputs(w, h), logits, chunks)
     elif 2 <= R <= HEAD_ROWS_MAX:
-        _head_rows(w.wte, h, logits, threads)
+        _head_rows(w.wte, h, logits, chunks)
     elif w.dtype == "float32":
-        _head(w.wte, h, logits, threads)
+        _head(w.wte, h, logits, chunks)
     else:
-        _head_compact(w.wte, None, h, logits, threads)
+        _head_compact(w.wte, None, h, logits, chunks)
 
 
 def head_inputs(w: GPT2Weights, h: np.ndarray) -> np.ndarray:
@@ -367,9 +396,9 @@ class _Workspace:
         self._int8_scales = np.empty(0, np.float32)
         self._rounded = np.empty(0, np.float32)
 
-    def scratch(self, T: int, threads: int) -> np.ndarray:
-        """Where matrix products land first: T rows, or T partial rows per thread (flat)."""
-        need = max((threads if _split_k(T) else 1) * T, 2 * threads, T + 1) * self.width
+    def scratch(self, T: int, chunks: int) -> np.ndarray:
+        """Where matrix products land first: T rows, or T partial rows per chunk (flat)."""
+        need = max((chunks if _split_k(T) else 1) * T, 2 * chunks, T + 1) * self.width
         if self._scratch.size < need:  # grows with the rows, or when the thread count grows
             self._scratch = np.empty(need, np.float32)
         return self._scratch

@@ -15,6 +15,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from .chunks import _claim
 from .compact import GROUP as _GROUP
 
 _HALF_GROUP = _GROUP // 2
@@ -22,6 +23,7 @@ _HALF_GROUP = _GROUP // 2
 # Rows up to which _int_rows beats widening the matrix for BLAS (measured on 2 cores, GPT-2 small,
 # decode_batch at context 128: 32 rows 58 ms a step in int8 against 72 widened; 64 rows 119 against 97).
 INT_ROWS_MAX = 48
+_ROW_CHUNKS = 32  # chunks of rows in _round_rows and _widen_matrix (as kernels.ROW_CHUNKS)
 
 
 def _madd_pairs(builder, a, b):
@@ -190,12 +192,18 @@ def _round_rows(x, out):
     x, out: float32 (T, K). For the BLAS paths, so that they multiply what _int_rows multiplies.
     """
     T, K = x.shape
-    for t in prange(T):
+    n_chunks = min(T, _ROW_CHUNKS)
+    nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
+    for _ in prange(n_chunks):
         q = np.empty((1, K), np.int8)
         s = np.empty((1, K // _GROUP), np.float32)
-        _quantize_rows(x[t:t + 1], q, s)
-        for j in range(K):
-            out[t, j] = np.float32(q[0, j]) * s[0, j // _GROUP]
+        c = _claim(nxt)
+        while c < n_chunks:
+            for t in range(c * T // n_chunks, (c + 1) * T // n_chunks):
+                _quantize_rows(x[t:t + 1], q, s)
+                for j in range(K):
+                    out[t, j] = np.float32(q[0, j]) * s[0, j // _GROUP]
+            c = _claim(nxt)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -211,14 +219,18 @@ def _int_rows(xq, xs, w, scale, b, out, accumulate, n_blocks):
     T = xq.shape[0]
     N = w.shape[0]
     step = ((N + n_blocks - 1) // n_blocks + 15) // 16 * 16
-    for blk in prange(n_blocks):
-        for n in range(min(N, blk * step), min(N, (blk + 1) * step)):
-            row, srow = w[n], scale[n]
-            for t in range(T):
-                acc = _dot_row(row, srow, xq[t], xs[t])
-                if b is not None:
-                    acc += b[n]
-                out[t, n] = out[t, n] + acc if accumulate else acc
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            for n in range(min(N, blk * step), min(N, (blk + 1) * step)):
+                row, srow = w[n], scale[n]
+                for t in range(T):
+                    acc = _dot_row(row, srow, xq[t], xs[t])
+                    if b is not None:
+                        acc += b[n]
+                    out[t, n] = out[t, n] + acc if accumulate else acc
+            blk = _claim(nxt)
 
 
 @njit(cache=True, nogil=True)
@@ -232,6 +244,13 @@ def _int_matmul(x, xq, xs, w, scale, b, out, accumulate, n_blocks):
 def _widen_matrix(w, scale, out):
     """out = float32 values of an integer matrix, [out, in] as stored. w: int8 (N, K) or
     packed uint8 (N, K // 2); scale: (N, K // GROUP); out: (N, K)."""
-    for n in prange(w.shape[0]):
-        for g in range(scale.shape[1]):
-            _widen_group(w[n], g, scale[n, g], out[n])
+    N = w.shape[0]
+    n_chunks = min(N, _ROW_CHUNKS)
+    nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
+    for _ in prange(n_chunks):
+        c = _claim(nxt)
+        while c < n_chunks:
+            for n in range(c * N // n_chunks, (c + 1) * N // n_chunks):
+                for g in range(scale.shape[1]):
+                    _widen_group(w[n], g, scale[n, g], out[n])
+            c = _claim(nxt)

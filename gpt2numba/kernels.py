@@ -22,6 +22,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from .chunks import _claim
 from .intkernels import _widen_group
 
 # LLVM fast-math minus nnan/ninf: reassociation lets reductions vectorise, while
@@ -72,46 +73,85 @@ def _exp_inplace(z, bits):
         z[j] *= scale[j]
 
 
+# Up to this many rows, the elementwise kernels (layernorm, GELU, split-k sums) run on the
+# calling thread: a parallel region costs a wake-up and a barrier, and on a busy machine the
+# barrier waits for whichever thread the OS took away. Decode steps then open one region per
+# matrix product and one for attention, not three more per layer.
+SERIAL_ROWS = 8
+# Chunks of rows in a parallel elementwise kernel, claimed as threads are free (chunks.py).
+ROW_CHUNKS = 32
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def _layernorm_row(x, g, b, eps, out):
+    """out = (x - mean) / sqrt(var + eps) * g + b, biased variance. x, out, g, b: (C,)."""
+    C = x.size
+    mean = 0.0
+    for j in range(C):
+        mean += x[j]
+    mean /= C
+    var = 0.0
+    for j in range(C):
+        d = x[j] - mean
+        var += d * d
+    var /= C
+    rstd = 1.0 / math.sqrt(var + eps)
+    for j in range(C):
+        out[j] = (x[j] - mean) * rstd * g[j] + b[j]
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _layernorm(x, g, b, eps, out):
-    """out[i] = (x[i] - mean) / sqrt(var + eps) * g + b, biased variance.
+    """out[i] = layernorm(x[i]) * g + b for every row. x, out: (T, C); g, b: (C,); eps: float."""
+    T = x.shape[0]
+    if T <= SERIAL_ROWS:
+        for i in range(T):
+            _layernorm_row(x[i], g, b, eps, out[i])
+        return
+    n_chunks = min(T, ROW_CHUNKS)
+    nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
+    for _ in prange(n_chunks):
+        c = _claim(nxt)
+        while c < n_chunks:
+            for i in range(c * T // n_chunks, (c + 1) * T // n_chunks):
+                _layernorm_row(x[i], g, b, eps, out[i])
+            c = _claim(nxt)
 
-    x, out: (T, C); g, b: (C,); eps: float.
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def _gelu_row(row):
+    """In place: row = gelu(row), GPT-2's tanh form, 0.5 x (1 + tanh(c (x + 0.044715 x^3))).
+
+    row: (F,). Computed as x / (1 + exp(-2 c (x + 0.044715 x^3))), the same function
+    (0.5 (1 + tanh z) = 1 / (1 + exp(-2z))), with a vectorised exp.
     """
-    T, C = x.shape
-    for i in prange(T):
-        mean = 0.0
-        for j in range(C):
-            mean += x[i, j]
-        mean /= C
-        var = 0.0
-        for j in range(C):
-            d = x[i, j] - mean
-            var += d * d
-        var /= C
-        rstd = 1.0 / math.sqrt(var + eps)
-        for j in range(C):
-            out[i, j] = (x[i, j] - mean) * rstd * g[j] + b[j]
+    F = row.size
+    e = np.empty(F, np.float32)
+    bits = np.empty(F, np.int32)
+    for j in range(F):
+        y = row[j]
+        e[j] = -_GELU_2C * (y + _GELU_A * y * y * y)
+    _exp_inplace(e, bits)
+    for j in range(F):
+        row[j] = row[j] / (_ONE + e[j])
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _gelu(x):
-    """In place: x = gelu(x), GPT-2's tanh form, 0.5 x (1 + tanh(c (x + 0.044715 x^3))).
-
-    x: (T, F). Computed as x / (1 + exp(-2 c (x + 0.044715 x^3))), the same function
-    (0.5 (1 + tanh z) = 1 / (1 + exp(-2z))), with a vectorised exp.
-    """
-    T, F = x.shape
-    for i in prange(T):
-        e = np.empty(F, np.float32)
-        bits = np.empty(F, np.int32)
-        row = x[i]
-        for j in range(F):
-            y = row[j]
-            e[j] = -_GELU_2C * (y + _GELU_A * y * y * y)
-        _exp_inplace(e, bits)
-        for j in range(F):
-            row[j] = row[j] / (_ONE + e[j])
+    """In place: x = gelu(x) for every row (_gelu_row). x: (T, F)."""
+    T = x.shape[0]
+    if T <= SERIAL_ROWS:
+        for i in range(T):
+            _gelu_row(x[i])
+        return
+    n_chunks = min(T, ROW_CHUNKS)
+    nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
+    for _ in prange(n_chunks):
+        c = _claim(nxt)
+        while c < n_chunks:
+            for i in range(c * T // n_chunks, (c + 1) * T // n_chunks):
+                _gelu_row(x[i])
+            c = _claim(nxt)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -130,31 +170,55 @@ def _linear(x, w, b, scratch, out, accumulate, n_blocks, split_k):
     if split_k:
         partial = scratch[: n_blocks * T * N].reshape(n_blocks, T, N)
         step = (K + n_blocks - 1) // n_blocks
-        for blk in prange(n_blocks):
-            lo = min(K, blk * step)
-            hi = min(K, lo + step)
-            if lo < hi:
-                np.dot(x[:, lo:hi].copy(), w[lo:hi], partial[blk])
-            else:
-                partial[blk] = 0.0
-        for i in prange(T):
-            for j in range(N):
-                s = b[j]
-                for blk in range(n_blocks):
-                    s += partial[blk, i, j]
-                out[i, j] = out[i, j] + s if accumulate else s
+        nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+        for _ in prange(n_blocks):
+            blk = _claim(nxt)
+            while blk < n_blocks:
+                lo = min(K, blk * step)
+                hi = min(K, lo + step)
+                if lo < hi:
+                    np.dot(x[:, lo:hi].copy(), w[lo:hi], partial[blk])
+                else:
+                    partial[blk] = 0.0
+                blk = _claim(nxt)
+        if T <= SERIAL_ROWS:
+            for i in range(T):
+                _sum_partials(partial, i, b, out, accumulate)
+            return
+        n_chunks = min(T, ROW_CHUNKS)
+        nxt = np.zeros(1, np.int64)
+        for _ in prange(n_chunks):
+            c = _claim(nxt)
+            while c < n_chunks:
+                for i in range(c * T // n_chunks, (c + 1) * T // n_chunks):
+                    _sum_partials(partial, i, b, out, accumulate)
+                c = _claim(nxt)
     else:
         product = scratch[: T * N].reshape(T, N)
         step = (T + n_blocks - 1) // n_blocks
-        for blk in prange(n_blocks):
-            lo = min(T, blk * step)
-            hi = min(T, lo + step)
-            if lo < hi:
-                np.dot(x[lo:hi], w, product[lo:hi])
-                for i in range(lo, hi):
-                    for j in range(N):
-                        s = product[i, j] + b[j]
-                        out[i, j] = out[i, j] + s if accumulate else s
+        nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+        for _ in prange(n_blocks):
+            blk = _claim(nxt)
+            while blk < n_blocks:
+                lo = min(T, blk * step)
+                hi = min(T, lo + step)
+                if lo < hi:
+                    np.dot(x[lo:hi], w, product[lo:hi])
+                    for i in range(lo, hi):
+                        for j in range(N):
+                            s = product[i, j] + b[j]
+                            out[i, j] = out[i, j] + s if accumulate else s
+                blk = _claim(nxt)
+
+
+@njit(cache=True, nogil=True)
+def _sum_partials(partial, i, b, out, accumulate):
+    """out[i] (+)= b + the sum over blocks of partial[:, i]. partial: (n_blocks, T, N)."""
+    for j in range(out.shape[1]):
+        s = b[j]
+        for blk in range(partial.shape[0]):
+            s += partial[blk, i, j]
+        out[i, j] = out[i, j] + s if accumulate else s
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -167,15 +231,19 @@ def _linear_t(x, wt, b, scratch, out, accumulate, n_blocks):
     T = x.shape[0]
     N = wt.shape[0]
     step = ((N + n_blocks - 1) // n_blocks + 15) // 16 * 16
-    for blk in prange(n_blocks):
-        lo, hi = min(N, blk * step), min(N, (blk + 1) * step)
-        if lo < hi:
-            part = scratch[T * lo: T * hi].reshape(T, hi - lo)
-            np.dot(x, wt[lo:hi].T, part)
-            for i in range(T):
-                for j in range(hi - lo):
-                    v = part[i, j] + b[lo + j]
-                    out[i, lo + j] = out[i, lo + j] + v if accumulate else v
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            lo, hi = min(N, blk * step), min(N, (blk + 1) * step)
+            if lo < hi:
+                part = scratch[T * lo: T * hi].reshape(T, hi - lo)
+                np.dot(x, wt[lo:hi].T, part)
+                for i in range(T):
+                    for j in range(hi - lo):
+                        v = part[i, j] + b[lo + j]
+                        out[i, lo + j] = out[i, lo + j] + v if accumulate else v
+            blk = _claim(nxt)
 
 
 # Up to this many rows, _head_rows beats the head's BLAS products and the compact
@@ -194,12 +262,16 @@ def _head_rows(wte, h, out, n_blocks):
     """
     V = wte.shape[0]
     step = ((V + n_blocks - 1) // n_blocks + 3) // 4 * 4
-    for blk in prange(n_blocks):
-        lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
-        for v in range(lo, hi - 3, 4):
-            _head_dots(h, wte, v, 4, out)
-        for v in range(hi - (hi - lo) % 4, hi):
-            _head_dots(h, wte, v, 1, out)
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+            for v in range(lo, hi - 3, 4):
+                _head_dots(h, wte, v, 4, out)
+            for v in range(hi - (hi - lo) % 4, hi):
+                _head_dots(h, wte, v, 1, out)
+            blk = _claim(nxt)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -274,17 +346,21 @@ def _linear_rows(x, w, b, scratch, out, accumulate, n_blocks):
     N = w.shape[1]
     step = ((N + n_blocks - 1) // n_blocks + 15) // 16 * 16  # whole cache lines per thread
     rows = T + T % 2
-    for blk in prange(n_blocks):
-        lo, hi = min(N, blk * step), min(N, (blk + 1) * step)
-        acc = scratch[rows * lo: rows * hi].reshape(rows, hi - lo)
-        acc[:] = 0.0
-        for k in range(0, K, 8):
-            for t in range(0, T, 2):
-                _rows_update(x, t, min(t + 1, T - 1), k, w, lo, hi, acc[t], acc[t + 1])
-        for t in range(T):
-            for j in range(hi - lo):
-                v = acc[t, j] + b[lo + j]
-                out[t, lo + j] = out[t, lo + j] + v if accumulate else v
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            lo, hi = min(N, blk * step), min(N, (blk + 1) * step)
+            acc = scratch[rows * lo: rows * hi].reshape(rows, hi - lo)
+            acc[:] = 0.0
+            for k in range(0, K, 8):
+                for t in range(0, T, 2):
+                    _rows_update(x, t, min(t + 1, T - 1), k, w, lo, hi, acc[t], acc[t + 1])
+            for t in range(T):
+                for j in range(hi - lo):
+                    v = acc[t, j] + b[lo + j]
+                    out[t, lo + j] = out[t, lo + j] + v if accumulate else v
+            blk = _claim(nxt)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -298,15 +374,18 @@ def _head(wte, h, out, n_blocks):
     V = wte.shape[0]
     R = h.shape[0]
     step = (V + n_blocks - 1) // n_blocks
-    for blk in prange(n_blocks):
-        lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
-        if R == 1:
-            if lo < hi:
-                np.dot(wte[lo:hi], h[0], out[0, lo:hi])
-            continue
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
         scores = np.empty(R * HEAD_CHUNK, np.float32)
-        for c0 in range(lo, hi, HEAD_CHUNK):
-            _chunk_scores(h, wte[c0:], c0, min(hi, c0 + HEAD_CHUNK), scores, out)
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+            if R == 1 and lo < hi:
+                np.dot(wte[lo:hi], h[0], out[0, lo:hi])
+            elif R > 1:
+                for c0 in range(lo, hi, HEAD_CHUNK):
+                    _chunk_scores(h, wte[c0:], c0, min(hi, c0 + HEAD_CHUNK), scores, out)
+            blk = _claim(nxt)
 
 
 @njit(cache=True, nogil=True)
@@ -340,8 +419,8 @@ def _attention_plan(row0, pos0, n_head, n_blocks):
 
     A tile is (sequence b, head h, first query i0): up to ATTEND_TILE queries of
     one head over the keys they may see; its cost is queries x keys. Returns
-    tiles: (n_tiles, 3) int64 and bounds: (n_blocks + 1,), so that thread j takes
-    tiles bounds[j]..bounds[j+1]-1. Cutting by cost, not by sequence, keeps every
+    tiles: (n_tiles, 3) int64 and bounds: (n_blocks + 1,), run j being tiles
+    bounds[j]..bounds[j+1]-1. Cutting by cost, not by sequence, keeps every
     thread busy when a long sequence sits beside short ones.
     """
     B = pos0.size
@@ -371,8 +450,9 @@ def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch):
 
     qkv: (N, 3C), queries in columns [0, C); ks, vs: B caches' (n_layer, H,
     max_len, D), rows 0..pos0[b] + T_b - 1 of ``layer`` already written; row0:
-    (B + 1,); pos0: (B,); tiles, bounds: from _attention_plan; out: (N, C), heads
-    side by side; scratch: (n_blocks, ATTEND_TILE * (D + P)). For a tile of
+    (B + 1,); pos0: (B,); tiles, bounds: from _attention_plan, its runs claimed by the
+    threads as they are free; out: (N, C), heads side by side; scratch: (threads,
+    ATTEND_TILE * (D + P)), a row per thread. For a tile of
     queries i0..i1-1 of sequence b, BLAS computes the scores against its keys
     0..pos0[b]+i1-1; the softmax of the query at pos reads keys 0..pos only and
     zeroes the rest, so the mask is exact and by loop bounds.
@@ -380,34 +460,39 @@ def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch):
     D = ks[0].shape[3]
     P = scratch.shape[1] // ATTEND_TILE - D
     scale = np.float32(1.0 / math.sqrt(D))
-    for blk in prange(bounds.size - 1):
+    n_runs = bounds.size - 1
+    nxt = np.zeros(1, np.int64)  # the next run of tiles (chunks.py)
+    for part in prange(min(n_runs, scratch.shape[0])):
         bits = np.empty(P, np.int32)
-        for j in range(bounds[blk], bounds[blk + 1]):
-            b, h, i0 = tiles[j, 0], tiles[j, 1], tiles[j, 2]
-            first, start = row0[b] + i0, pos0[b] + i0  # the tile's first row, and its position
-            m = min(row0[b + 1] - first, ATTEND_TILE)
-            n = start + m  # keys 0..n-1 are visible to the tile's last query
-            q = scratch[blk, : m * D].reshape(m, D)  # (m, D), then the tile's output
-            s = scratch[blk, m * D : m * D + m * n].reshape(m, n)  # (m, n) scores, then weights
-            for i in range(m):
-                for d in range(D):
-                    q[i, d] = qkv[first + i, h * D + d] * scale
-            np.dot(q, ks[b][layer, h, :n].T, s)
-            for i in range(m):
-                pos = start + i
-                row = s[i, : pos + 1]  # the keys the query at pos may see
-                peak = row.max()
-                for t in range(pos + 1):
-                    row[t] -= peak
-                _exp_inplace(row, bits)
-                inv = _ONE / row.sum()
-                for t in range(pos + 1):
-                    row[t] *= inv
-                s[i, pos + 1:] = 0.0
-            np.dot(s, vs[b][layer, h, :n], q)
-            for i in range(m):
-                for d in range(D):
-                    out[first + i, h * D + d] = q[i, d]
+        run = _claim(nxt)
+        while run < n_runs:
+            for j in range(bounds[run], bounds[run + 1]):
+                b, h, i0 = tiles[j, 0], tiles[j, 1], tiles[j, 2]
+                first, start = row0[b] + i0, pos0[b] + i0  # the tile's first row, and its position
+                m = min(row0[b + 1] - first, ATTEND_TILE)
+                n = start + m  # keys 0..n-1 are visible to the tile's last query
+                q = scratch[part, : m * D].reshape(m, D)  # (m, D), then the tile's output
+                s = scratch[part, m * D : m * D + m * n].reshape(m, n)  # (m, n) scores, then weights
+                for i in range(m):
+                    for d in range(D):
+                        q[i, d] = qkv[first + i, h * D + d] * scale
+                np.dot(q, ks[b][layer, h, :n].T, s)
+                for i in range(m):
+                    pos = start + i
+                    row = s[i, : pos + 1]  # the keys the query at pos may see
+                    peak = row.max()
+                    for t in range(pos + 1):
+                        row[t] -= peak
+                    _exp_inplace(row, bits)
+                    inv = _ONE / row.sum()
+                    for t in range(pos + 1):
+                        row[t] *= inv
+                    s[i, pos + 1:] = 0.0
+                np.dot(s, vs[b][layer, h, :n], q)
+                for i in range(m):
+                    for d in range(D):
+                        out[first + i, h * D + d] = q[i, d]
+            run = _claim(nxt)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
@@ -437,14 +522,18 @@ def _gemv_bf16(x, w, b, scratch, out, accumulate, n_blocks):
     K, N = w.shape
     partial = scratch[: n_blocks * N].reshape(n_blocks, N)
     step = (K + n_blocks - 1) // n_blocks
-    for blk in prange(n_blocks):
-        acc = partial[blk]
-        acc[:] = 0.0
-        for k in range(min(K, blk * step), min(K, (blk + 1) * step)):
-            row = w[k]
-            xk = x[0, k]
-            for j in range(N):
-                acc[j] += xk * _as_float32(np.uint32(row[j]) << 16)
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            acc = partial[blk]
+            acc[:] = 0.0
+            for k in range(min(K, blk * step), min(K, (blk + 1) * step)):
+                row = w[k]
+                xk = x[0, k]
+                for j in range(N):
+                    acc[j] += xk * _as_float32(np.uint32(row[j]) << 16)
+            blk = _claim(nxt)
     _reduce(partial, b, out, accumulate)
 
 
@@ -470,17 +559,21 @@ def _head_compact(wte, scale, h, out, n_blocks):
     V = wte.shape[0]
     R, C = h.shape
     step = (V + n_blocks - 1) // n_blocks
-    for blk in prange(n_blocks):
-        lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
-        if R == 1 and scale is None:
-            for v in range(lo, hi):
-                row = wte[v]
-                s = np.float32(0.0)
-                for c in range(C):
-                    s += _widen(row[c]) * h[0, c]
-                out[0, v] = s
-        else:
-            _head_widened(wte, scale, h, lo, hi, out)
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+            if R == 1 and scale is None:
+                for v in range(lo, hi):
+                    row = wte[v]
+                    s = np.float32(0.0)
+                    for c in range(C):
+                        s += _widen(row[c]) * h[0, c]
+                    out[0, v] = s
+            else:
+                _head_widened(wte, scale, h, lo, hi, out)
+            blk = _claim(nxt)
 
 
 @njit(cache=True, nogil=True)
@@ -528,30 +621,34 @@ def _head_log_softmax(wte, scale, h, targets, logprob, best, n_blocks):
     total = np.zeros((n_blocks, R))          # sum of exp(logit - peak)
     arg = np.zeros((n_blocks, R), np.int64)
     hit = np.full(R, np.nan)                 # the target's logit, from the block that holds it
-    for blk in prange(n_blocks):
-        lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
         dense = np.empty((HEAD_CHUNK, C), np.float32)
         scores = np.empty(R * HEAD_CHUNK, np.float32)
         bits = np.empty(HEAD_CHUNK, np.int32)
-        for c0 in range(lo, hi, HEAD_CHUNK):
-            c1 = min(hi, c0 + HEAD_CHUNK)
-            _widen_rows(wte, scale, c0, c1, dense)
-            chunk = scores[: R * (c1 - c0)].reshape(R, c1 - c0)
-            np.dot(h, dense[: c1 - c0].T, chunk)
-            for r in range(R):
-                row = chunk[r]
-                t = targets[r]
-                if c0 <= t < c1:
-                    hit[r] = row[t - c0]
-                j = row.argmax()
-                if row[j] > peak[blk, r]:  # a new max: rescale what was summed so far
-                    total[blk, r] *= math.exp(peak[blk, r] - row[j])
-                    peak[blk, r], arg[blk, r] = row[j], c0 + j
-                m = np.float32(peak[blk, r])
-                for c in range(c1 - c0):
-                    row[c] -= m
-                _exp_inplace(row, bits)
-                total[blk, r] += row.sum()
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+            for c0 in range(lo, hi, HEAD_CHUNK):
+                c1 = min(hi, c0 + HEAD_CHUNK)
+                _widen_rows(wte, scale, c0, c1, dense)
+                chunk = scores[: R * (c1 - c0)].reshape(R, c1 - c0)
+                np.dot(h, dense[: c1 - c0].T, chunk)
+                for r in range(R):
+                    row = chunk[r]
+                    t = targets[r]
+                    if c0 <= t < c1:
+                        hit[r] = row[t - c0]
+                    j = row.argmax()
+                    if row[j] > peak[blk, r]:  # a new max: rescale what was summed so far
+                        total[blk, r] *= math.exp(peak[blk, r] - row[j])
+                        peak[blk, r], arg[blk, r] = row[j], c0 + j
+                    m = np.float32(peak[blk, r])
+                    for c in range(c1 - c0):
+                        row[c] -= m
+                    _exp_inplace(row, bits)
+                    total[blk, r] += row.sum()
+            blk = _claim(nxt)
     for r in range(R):
         top = 0
         for blk in range(1, n_blocks):
@@ -579,6 +676,12 @@ def _chunk_scores(h, dense, c0, c1, scores, out):
 def _expand_bf16(w, out):
     """out = float32 values of bfloat16 w. w: uint16 (K, N); out: (K, N)."""
     K, N = w.shape
-    for k in prange(K):
-        for j in range(N):
-            out[k, j] = _as_float32(np.uint32(w[k, j]) << 16)
+    n_chunks = min(K, ROW_CHUNKS)
+    nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
+    for _ in prange(n_chunks):
+        c = _claim(nxt)
+        while c < n_chunks:
+            for k in range(c * K // n_chunks, (c + 1) * K // n_chunks):
+                for j in range(N):
+                    out[k, j] = _as_float32(np.uint32(w[k, j]) << 16)
+            c = _claim(nxt)

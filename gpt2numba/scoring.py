@@ -180,9 +180,9 @@ def _score_windows(windows: list[np.ndarray], w: GPT2Weights,
     targets = np.concatenate([_targets(ids) for ids in windows] if own else targets)
     scale = w.scales["wte"] if w.scales else None
 
-    def head(h, threads):
+    def head(h, chunks):
         logprob, best = np.empty(len(h)), np.empty(len(h), np.int64)
-        _head_log_softmax(w.wte, scale, head_inputs(w, h), targets, logprob, best, threads)
+        _head_log_softmax(w.wte, scale, head_inputs(w, h), targets, logprob, best, chunks)
         return logprob, best
 
     logprob, best = _forward(windows, w, caches, head, every_row=True)
