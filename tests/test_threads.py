@@ -1,0 +1,96 @@
+"""Results do not depend on how the work is scheduled: thread counts and threading layers.
+
+Every parallel kernel cuts its work into the same chunks whatever the thread count
+(forward.MIN_CHUNKS) and threads claim them as they are free (chunks.py), so 1 and 2
+threads, and every threading layer, must give the same bits.
+"""
+
+import json
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+
+import gpt2numba as g
+from gpt2numba import forward
+
+from conftest import TINY
+
+pytestmark = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
+
+# A prompt past kernels.SERIAL_ROWS (the chunked elementwise kernels) and past ROWS_MAX
+# and INT_ROWS_MAX (the BLAS paths), a ragged batch, and one decode step.
+_SCRIPT = """
+import hashlib, json, sys
+import numpy as np
+import gpt2numba as g
+sys.path.insert(0, 'tests')
+from conftest import TINY
+out = {}
+for dtype in ("float32", "bfloat16", "int8", "int4"):
+    w = g.random_weights(TINY, seed=1, dtype=dtype)
+    mc = g.ModelCache(TINY)
+    rows = [g.prefill(np.arange(1, 60) * 7 % 512, w, mc, logits="all"), g.decode_step(3, w, mc)[None]]
+    caches = [g.ModelCache(TINY) for _ in range(3)]
+    rows.append(g.prefill_batch([[5], [1, 2, 3], list(range(9, 30))], w, caches))
+    rows.append(g.decode_batch([4, 5, 6], w, caches))
+    out[dtype] = hashlib.sha256(b"".join(np.ascontiguousarray(r).tobytes() for r in rows)).hexdigest()
+json.dump(out, sys.stdout)
+"""
+
+
+def _digests(env=None) -> dict:
+    """The script's digests, run here (env None) or in a fresh process with ``env`` added."""
+    if env is None:
+        scope = {}
+        exec(compile(_SCRIPT.replace("json.dump(out, sys.stdout)", ""), "<threads>", "exec"), scope)
+        return scope["out"]
+    import os
+    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
+    if done.returncode:
+        if "No threading layer could be loaded" in done.stderr or "is not available" in done.stderr:
+            pytest.skip(f"threading layer {env} is not available here: {done.stderr.strip().splitlines()[-1]}")
+        raise AssertionError(done.stderr)
+    return json.loads(done.stdout)
+
+
+def test_one_and_two_threads_give_the_same_bits():
+    before = g.get_threads()
+    try:
+        g.set_threads(1)
+        one = _digests()
+        g.set_threads(2)
+        two = _digests()
+    finally:
+        g.set_threads(before)
+    assert one == two
+
+
+@pytest.mark.parametrize("layer", ["omp", "tbb", "workqueue"])
+def test_every_threading_layer_gives_the_same_bits(layer):
+    """Each layer in its own process (a process picks its layer once), against this one's."""
+    assert _digests({"NUMBA_THREADING_LAYER": layer, "NUMBA_NUM_THREADS": "2"}) == _digests()
+
+
+def test_chunks_do_not_follow_the_thread_count(monkeypatch):
+    """The cut is MIN_CHUNKS for 1 and 2 threads; a cut that grew with the threads would change
+    the split-k sums' order, which the bit-for-bit test above would catch."""
+    seen = []
+    real = forward._attention_plan
+
+    def spy(row0, pos0, n_head, n_blocks):
+        seen.append(n_blocks)
+        return real(row0, pos0, n_head, n_blocks)
+    monkeypatch.setattr(forward, "_attention_plan", spy)
+    w = g.random_weights(TINY, seed=0)
+    before = g.get_threads()
+    try:
+        for n in (1, 2):
+            g.set_threads(n)
+            g.prefill([1, 2, 3], w, g.ModelCache(TINY))
+    finally:
+        g.set_threads(before)
+    assert seen == [forward.MIN_CHUNKS, forward.MIN_CHUNKS]
