@@ -18,7 +18,7 @@ from .forward import decode_batch, decode_step, prefill, prefill_batch
 from .kvcache import ModelCache
 from .oracle import ATOL, ATOL_INTEGER, RTOL, agreement, recompute_logits
 from .compact import DTYPES, INTEGER
-from .weights import load_weights
+from .models import resolve_model  # re-exported: gpt2numba.cli.resolve_model
 
 RANDOM_NOTE = "random GPT-2 small weights (seed 0): the text is meaningless; pass --model for a real checkpoint"
 
@@ -120,31 +120,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-
-
-def resolve_model(model: str | None, dtype: str = "float32"):
-    """(weights, checkpoint path or None, description) for a --model value."""
-    if model is None:
-        env = os.environ.get("GPT2NUMBA_WEIGHTS")
-        return forward.default_weights().astype(dtype), env, env or "random GPT-2 small weights (seed 0)"
-    path = Path(model)
-    if not path.exists() and model.count("/") == 1 and not model.startswith((".", "/")):
-        path = _download(model)
-    return load_weights(path, dtype=dtype), path, str(model)
-
-
-def _download(name: str) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise GPT2NumbaError(f"{name!r} is not a local path; fetching it from the Hugging Face hub needs "
-                             "huggingface_hub: pip install 'gpt2numba[hub]'") from None
-    try:
-        return Path(snapshot_download(name, allow_patterns=[
-            "config.json", "model.safetensors", "tokenizer.json", "vocab.json", "merges.txt"]))
-    except Exception as e:  # the hub's errors are many; all mean "not available here"
-        raise GPT2NumbaError(f"cannot fetch {name!r} from the Hugging Face hub: {type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 
 def _generate(args) -> int:

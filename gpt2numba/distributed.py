@@ -25,7 +25,7 @@ class _Scorer:
     """One Ray worker: the weights, loaded once; a batch of texts in, the batch with its scores out."""
 
     def __init__(self, model, dtype, text_column, stride, threads):
-        from .cli import resolve_model
+        from .models import resolve_model
         from .forward import set_threads
         from .tokenizer import load_tokenizer
 
