@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import ConfigError, GPT2NumbaError, TokenError, TokenTypeError
+from .config import GPT2Config
+from .errors import BatchError, ConfigError, GPT2NumbaError, TokenError, TokenTypeError
 
 
 def is_integer(value) -> bool:
@@ -62,11 +63,15 @@ def position(value, n_positions: int) -> int:
     return int(value)
 
 
-def weights(w) -> None:
-    """ConfigError unless ``w`` is a GPT2Weights."""
-    from .weights import GPT2Weights  # weights.py imports this module
+# what the engine reads of a GPT2Weights: checked by duck type, so this module (which weights.py uses)
+# does not import weights.py; a GPT2Weights validated its arrays when it was built
+_WEIGHTS_ATTRIBUTES = ("wte", "wpe", "ln_f_g", "ln_f_b", "dtype", "scales", "matrix")
 
-    if not isinstance(w, GPT2Weights):
+
+def weights(w) -> None:
+    """ConfigError unless ``w`` is a GPT2Weights (anything with a GPT2Config and its arrays)."""
+    if not isinstance(getattr(w, "config", None), GPT2Config) or not all(
+            hasattr(w, name) for name in _WEIGHTS_ATTRIBUTES):
         raise ConfigError(f"expected GPT2Weights, got {type(w).__name__}")
 
 
@@ -80,8 +85,6 @@ def labelled(label: str, check, *args):
 
 def sequence(value, name: str) -> list:
     """``value`` as a list, or BatchError unless it is a sequence: any iterable but a str or bytes."""
-    from .errors import BatchError
-
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise BatchError(f"{name} must be a sequence, got {type(value).__name__}")
     return list(value)

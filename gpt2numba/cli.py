@@ -18,7 +18,8 @@ from .forward import decode_batch, decode_step, prefill, prefill_batch
 from .kvcache import ModelCache
 from .oracle import ATOL, ATOL_INTEGER, RTOL, agreement, recompute_logits
 from .compact import DTYPES, INTEGER
-from .weights import load_weights
+from .documents import field_of, split, utf8
+from .models import resolve_model  # re-exported: gpt2numba.cli.resolve_model
 
 RANDOM_NOTE = "random GPT-2 small weights (seed 0): the text is meaningless; pass --model for a real checkpoint"
 
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="documents scored together in one pass (default 16)")
     score.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                        help="score on a Ray cluster with Ray Data: the address of an existing one, or none to "
-                       "start a local one (needs the [ray] extra; files with --lines or JSON lines)")
+                       "start a local one (needs the [ray] extra; files, not stdin)")
     score.add_argument("--output", type=Path, metavar="DIR", help="with --ray: write the scored dataset to DIR")
     score.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="with --output (default jsonl)")
 
@@ -120,31 +121,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-
-
-def resolve_model(model: str | None, dtype: str = "float32"):
-    """(weights, checkpoint path or None, description) for a --model value."""
-    if model is None:
-        env = os.environ.get("GPT2NUMBA_WEIGHTS")
-        return forward.default_weights().astype(dtype), env, env or "random GPT-2 small weights (seed 0)"
-    path = Path(model)
-    if not path.exists() and model.count("/") == 1 and not model.startswith((".", "/")):
-        path = _download(model)
-    return load_weights(path, dtype=dtype), path, str(model)
-
-
-def _download(name: str) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise GPT2NumbaError(f"{name!r} is not a local path; fetching it from the Hugging Face hub needs "
-                             "huggingface_hub: pip install 'gpt2numba[hub]'") from None
-    try:
-        return Path(snapshot_download(name, allow_patterns=[
-            "config.json", "model.safetensors", "tokenizer.json", "vocab.json", "merges.txt"]))
-    except Exception as e:  # the hub's errors are many; all mean "not available here"
-        raise GPT2NumbaError(f"cannot fetch {name!r} from the Hugging Face hub: {type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 
 def _generate(args) -> int:
@@ -194,7 +170,7 @@ def _generate(args) -> int:
 def _read_prompts(path: Path) -> list[str]:
     """Prompts from a file: JSON lines with a "prompt" field, or else one prompt per line (blank lines skipped)."""
     source = "<stdin>" if str(path) == "-" else str(path)
-    text = _utf8(sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes(), source, 1)
+    text = utf8(sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes(), source, 1)
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise GPT2NumbaError(f"{path}: no prompts in the file")
@@ -243,34 +219,10 @@ def _generate_batch(prompts, w, tokenizer, batch_size, options) -> int:
 
 
 def _documents(args):
-    """(source, index, text) of every document, in order; GPT2NumbaError naming the file and line
-    for bytes that are not UTF-8 or a line that is not the JSON asked for."""
+    """(source, index, text) of every document, in order (documents.split: the errors name file and line)."""
     for name in args.files:
         data = sys.stdin.buffer.read() if name == "-" else Path(name).read_bytes()
-        source = "<stdin>" if name == "-" else name
-        field = args.field or ("text" if name.endswith(".jsonl") else None)
-        if field is None and not args.lines:
-            yield source, 0, _utf8(data, source, 1)
-            continue
-        for n, line in enumerate(data.split(b"\n")[: -1 if data.endswith(b"\n") else None]):
-            text = _utf8(line, source, n + 1)
-            if field is not None:
-                try:
-                    record = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise GPT2NumbaError(f"{source}, line {n + 1}: not JSON ({e.msg})") from None
-                if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                    raise GPT2NumbaError(f'{source}, line {n + 1}: no string field "{field}"')
-                text = record[field]
-            yield source, n, text
-
-
-def _utf8(data: bytes, source: str, line: int) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        at = line + data[: e.start].count(b"\n")
-        raise GPT2NumbaError(f"{source}, line {at}: bytes that are not UTF-8 ({e.reason})") from None
+        yield from split(data, "<stdin>" if name == "-" else name, args.lines, field_of(name, args.field))
 
 
 def _serve(args) -> int:
@@ -332,33 +284,30 @@ def _score(args) -> int:
 
 
 def _score_ray(args) -> int:
-    """gpt2numba score --ray: Ray Data reads the files, a pool of workers scores them (distributed.py)."""
+    """gpt2numba score --ray: Ray Data reads and splits the files, a pool of workers scores them (distributed.py);
+    the same documents and output fields as in-process."""
     if not args.ray:
         raise GPT2NumbaError("--output goes with --ray")
     if "-" in args.files or not args.files:
         raise GPT2NumbaError("--ray reads files (on every node), not stdin")
-    jsonl = args.field is not None or all(name.endswith(".jsonl") for name in args.files)
-    if not jsonl and not args.lines:
-        raise GPT2NumbaError("--ray scores one document per line: give --lines, or JSON lines with --field")
     try:
         import ray
     except ImportError:
         raise GPT2NumbaError("--ray needs Ray Data: pip install 'gpt2numba[ray]'") from None
-    from .distributed import score_dataset
+    from .distributed import read_documents, score_dataset
 
     t0 = time.perf_counter()
     ray.init(address=args.ray, include_dashboard=False, log_to_driver=False)  # "local": a new cluster here
     try:
-        ds = ray.data.read_json(args.files) if jsonl else ray.data.read_text(args.files)
-        scored = score_dataset(ds, args.model, dtype=args.dtype, text_column=args.field or "text",
-                               stride=args.stride, threads_per_worker=args.threads,
+        ds = read_documents(args.files, lines=args.lines, field=args.field)
+        scored = score_dataset(ds, args.model, dtype=args.dtype, stride=args.stride, threads_per_worker=args.threads,
                                batch_size=args.batch_size).materialize()
         if args.output:
             (scored.write_parquet if args.format == "parquet" else scored.write_json)(str(args.output))
         else:
-            for index, row in enumerate(scored.iter_rows()):
-                print(json.dumps({"index": index, "tokens": int(row["tokens"]), "nll": float(row["nll"]),
-                                  "perplexity": _finite(float(row["perplexity"])),
+            for row in sorted(scored.iter_rows(), key=_order(args.files)):
+                print(json.dumps({"source": row["source"], "index": int(row["index"]), "tokens": int(row["tokens"]),
+                                  "nll": float(row["nll"]), "perplexity": _finite(float(row["perplexity"])),
                                   "bits_per_byte": _finite(float(row["bits_per_byte"]))}), flush=True)
         docs, tokens, nll = scored.count(), scored.sum("tokens") or 0, scored.sum("nll") or 0.0
     finally:
@@ -369,6 +318,16 @@ def _score_ray(args) -> int:
           f"{tokens / max(seconds, 1e-9):.0f} tokens/s" + (f"; written to {args.output}" if args.output else ""),
           file=sys.stderr)
     return 0
+
+
+def _order(names: list[str]):
+    """Sort key of a scored row: the files in the order given (a directory's in path order), then the index."""
+    def key(row):
+        source = row["source"]
+        rank = next((i for i, name in enumerate(names) if source == name or source.startswith(name.rstrip("/") + "/")),
+                    len(names))
+        return rank, source, int(row["index"])
+    return key
 
 
 def _finite(x: float):

@@ -4,6 +4,7 @@
     ray.init(address="auto")                         # an existing cluster; without it, a local one
     ds = ray.data.read_json("s3://bucket/corpus/")   # any Ray Data source with a text column
     score_dataset(ds, "/models/gpt2").write_json("s3://bucket/scored/")
+    docs = read_documents(["essays/"], lines=False)  # source, index, text: as gpt2numba score splits files
 
 Ray Data reads, batches and schedules; each worker of an actor pool loads the weights
 once (the callable class's __init__) and scores its batches with score_batch
@@ -13,11 +14,14 @@ must exist on every node.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import numpy as np
 
 from . import checks
+from .documents import field_of, split
 from .errors import ConfigError
 
 
@@ -25,7 +29,7 @@ class _Scorer:
     """One Ray worker: the weights, loaded once; a batch of texts in, the batch with its scores out."""
 
     def __init__(self, model, dtype, text_column, stride, threads):
-        from .cli import resolve_model
+        from .models import resolve_model
         from .forward import set_threads
         from .tokenizer import load_tokenizer
 
@@ -76,3 +80,35 @@ def score_dataset(ds, model: str | None, *, dtype: str = "float32", text_column:
     return ds.map_batches(_Scorer, fn_constructor_args=(model, dtype, text_column, stride, threads),
                           batch_size=batch_size, batch_format="numpy", num_cpus=threads,
                           compute=ray.data.ActorPoolStrategy(size=concurrency))
+
+
+def read_documents(paths, *, lines: bool = False, field: str | None = None):
+    """A ray.data.Dataset of the documents in ``paths`` (files or directories, read by Ray on its nodes):
+    columns source, index and text, split as ``gpt2numba score`` splits files (documents.split): each file
+    whole, one document a line with ``lines``, or JSON lines with the text in ``field`` (.jsonl files:
+    "text"). source is the path as given (a file under a given directory: joined to it)."""
+    import ray
+
+    names = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    names = [str(name) for name in names]
+    files = ray.data.read_binary_files(names, include_paths=True)
+    return files.flat_map(functools.partial(_split_file, names=names, lines=lines, field=field))
+
+
+def _split_file(row: dict, names: list[str], lines: bool, field: str | None) -> list[dict]:
+    path = str(row["path"])
+    source = _source(path, names)
+    return [{"source": s, "index": n, "text": text}
+            for s, n, text in split(row["bytes"], source, lines, field_of(path, field))]
+
+
+def _source(path: str, names: list[str]) -> str:
+    """The name a file was given by: Ray reports paths absolute, or without their scheme (s3://)."""
+    for name in names:
+        for given in {name, os.path.abspath(name), name.split("://", 1)[-1]}:
+            given = given.rstrip("/")
+            if path == given:
+                return name
+            if path.startswith(given + "/"):
+                return os.path.join(name, path[len(given) + 1:])
+    return path

@@ -16,7 +16,6 @@ Shapes: N = rows, B = sequences, C = n_embd, V = vocab_size.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import weakref
 
@@ -47,7 +46,8 @@ from .kernels import (
     _write_kv,
 )
 from .kvcache import ModelCache
-from .weights import GPT2Weights, load_weights, random_weights
+from .models import default_weights  # where weights come from; re-exported here as before
+from .weights import GPT2Weights
 
 
 def prefill(prompt_ids, w: GPT2Weights, mc: ModelCache, logits: str = "last") -> np.ndarray:
@@ -124,16 +124,6 @@ def run_prefill(prompt_ids) -> np.ndarray:
     """Prefill ``prompt_ids`` into a fresh cache on the default weights; return the logits."""
     w = default_weights()
     return prefill(prompt_ids, w, ModelCache(w.config))
-
-
-def default_weights() -> GPT2Weights:
-    """The checkpoint named by $GPT2NUMBA_WEIGHTS, else seeded random GPT-2 small."""
-    return _default_weights(os.environ.get("GPT2NUMBA_WEIGHTS") or None)
-
-
-@functools.lru_cache(maxsize=1)
-def _default_weights(path: str | None) -> GPT2Weights:
-    return load_weights(path) if path else random_weights(GPT2Config.small(), seed=0)
 
 
 def set_threads(n: int) -> None:

@@ -44,7 +44,7 @@ class GPT2NumbaLM(TemplateLM):
                  batch_size: int | str = 16, max_gen_toks: int | None = None, max_length: int | None = None,
                  device=None, max_batch_size=None):
         super().__init__()
-        from .cli import resolve_model
+        from .models import resolve_model
 
         if threads is not None:
             set_threads(int(threads))

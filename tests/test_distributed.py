@@ -35,7 +35,8 @@ def cluster():
 
 
 def test_score_command_on_ray(model, tmp_path):
-    """gpt2numba score --ray: a new local cluster (first: no other is running), JSON lines out or a directory."""
+    """gpt2numba score --ray: a new local cluster (first: no other is running), JSON lines out or a directory;
+    the same records as in-process: source, index, tokens, nll, perplexity, bits_per_byte."""
     path, w = model
     (tmp_path / "docs.txt").write_text("\n".join(t for t in TEXTS if t) + "\n")
     base = [sys.executable, "-m", "gpt2numba", "score", "--model", str(path), "--lines", str(tmp_path / "docs.txt")]
@@ -43,16 +44,41 @@ def test_score_command_on_ray(model, tmp_path):
     on_ray = subprocess.run([*base, "--ray"], capture_output=True, text=True, timeout=300)
     assert local.returncode == 0 and on_ray.returncode == 0, on_ray.stderr[-2000:]
     expected = [json.loads(line)["nll"] for line in local.stdout.splitlines()]
-    got = [json.loads(line)["nll"] for line in on_ray.stdout.splitlines()]
-    np.testing.assert_allclose(sorted(got), sorted(expected), rtol=1e-6)
+    assert_same_records(on_ray.stdout, local.stdout)
     assert "documents on Ray" in on_ray.stderr
     written = subprocess.run([*base, "--ray", "--output", str(tmp_path / "out")], capture_output=True, text=True,
                              timeout=300)
     assert written.returncode == 0, written.stderr[-2000:]
     rows = [json.loads(line) for f in (tmp_path / "out").iterdir() for line in f.read_text().splitlines()]
     assert sorted(r["nll"] for r in rows) == pytest.approx(sorted(expected), rel=1e-6)
-    bad = subprocess.run([*base[:-2], str(tmp_path / "docs.txt"), "--ray"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1 and "give --lines" in bad.stderr and "Traceback" not in bad.stderr
+    assert sorted((r["source"], r["index"]) for r in rows) == [(str(tmp_path / "docs.txt"), i) for i in range(4)]
+
+
+def test_score_command_on_ray_takes_whole_files(model, tmp_path):
+    """Without --lines each file is one document, on Ray as in-process; the files come out in the order given."""
+    path, _ = model
+    files = [tmp_path / "b.txt", tmp_path / "a.txt"]
+    files[0].write_text(TEXTS[3])
+    files[1].write_text("\n".join(TEXTS) + "\n")
+    base = [sys.executable, "-m", "gpt2numba", "score", "--model", str(path), *map(str, files)]
+    local = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    on_ray = subprocess.run([*base, "--ray"], capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0 and on_ray.returncode == 0, on_ray.stderr[-2000:]
+    assert [json.loads(line)["source"] for line in on_ray.stdout.splitlines()] == list(map(str, files))
+    assert_same_records(on_ray.stdout, local.stdout)
+
+
+def assert_same_records(got: str, expected: str):
+    """JSON lines with the same fields, sources, indices and token counts; the numbers to 1e-6."""
+    got, expected = ([json.loads(line) for line in out.splitlines()] for out in (got, expected))
+    assert [list(r) for r in got] == [list(r) for r in expected]
+    assert [(r["source"], r["index"], r["tokens"]) for r in got] == [
+        (r["source"], r["index"], r["tokens"]) for r in expected]
+    for a, b in zip(got, expected):
+        for name in ("nll", "perplexity", "bits_per_byte"):
+            assert (a[name] is None) == (b[name] is None), name
+            if a[name] is not None:
+                assert a[name] == pytest.approx(b[name], rel=1e-6, abs=1e-9), name
 
 
 def test_score_dataset_equals_score_in_process(model, cluster):

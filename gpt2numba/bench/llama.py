@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import _decode_runs, _name, _prefill_runs, _Remote, _systems, _versus_float32
+from .core import Remote, decode_runs, dtype_name, gpt2numba_system, prefill_runs, system_rows, versus_float32
 
 PAIRS = (("float32", "F32"), ("bfloat16", "F16"), ("int8", "Q8_0"), ("int4", "Q4_0"))
 SAME_MODEL_ATOL = 2e-3
@@ -43,7 +43,14 @@ class _Llama:
         return self._logits()
 
 
-def _llama(kind, gguf_path, threads):
+def system(kind, gguf_path, threads):
+    """(system, kind, version) for Remote: kind "llama.cpp FMT" on a GGUF file; system and version are None
+    when llama-cpp-python is not installed."""
+    system = _load(gguf_path, threads)
+    return system, kind, system.version if system else None
+
+
+def _load(gguf_path, threads):
     try:
         import llama_cpp
     except ImportError:
@@ -55,14 +62,14 @@ def _llama(kind, gguf_path, threads):
 
 def run(args, model_dir, w) -> dict:
     """The llama.cpp section's figures: {"same_model", "accuracy", "prefill", "decode"}."""
-    from .gguf_export import write_gguf
+    from ..gguf_export import write_gguf
 
     report = {"notes": []}
     with tempfile.TemporaryDirectory() as tmp:
         files = {fmt: write_gguf(w, Path(tmp, f"gpt2-{fmt}.gguf"), fmt) for _, fmt in PAIRS}
-        ours = [_Remote(dtype, model_dir, args.threads) for dtype, _ in PAIRS]
-        theirs = [_Remote(f"llama.cpp {fmt}", files[fmt], args.threads) for _, fmt in PAIRS]
-        systems = [*ours, *theirs]
+        mine = [Remote(gpt2numba_system, dtype, model_dir, args.threads) for dtype, _ in PAIRS]
+        theirs = [Remote(system, f"llama.cpp {fmt}", files[fmt], args.threads) for _, fmt in PAIRS]
+        systems = [*mine, *theirs]
         try:
             if theirs[0].version is None:
                 raise SystemExit("llama-cpp-python is not installed: pip install -e '.[peers]'")
@@ -71,8 +78,8 @@ def run(args, model_dir, w) -> dict:
             if report["same_model"] > SAME_MODEL_ATOL:
                 raise SystemExit(f"llama.cpp's F32 logits differ from ours by {report['same_model']:.1e} > "
                                  f"{SAME_MODEL_ATOL}: the GGUF is not the same model")
-            report["prefill"] = _prefill_runs(systems, w, args)
-            report["decode"] = _decode_runs(systems, w, args)
+            report["prefill"] = prefill_runs(systems, w, args)
+            report["decode"] = decode_runs(systems, w, args)
         finally:
             for remote in systems:
                 remote.close()
@@ -84,8 +91,8 @@ def _accuracy(systems, w, args):
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, w.config.vocab_size, 32) for _ in range(args.accuracy_prompts)]
     logits = {s.name: [s.call("prefill", ids, logits=True)[2] for ids in prompts] for s in systems}
-    reference = logits[_name("float32")]
-    accuracy = {name: _versus_float32(rows, reference) for name, rows in logits.items()}
+    reference = logits[dtype_name("float32")]
+    accuracy = {name: versus_float32(rows, reference) for name, rows in logits.items()}
     return accuracy["llama.cpp F32"]["max_abs_diff_vs_float32"], accuracy
 
 
@@ -98,7 +105,7 @@ def print_report(r):
     print(f"\n{'pair':<18} {'system':<20} " + " ".join(f"{label:>12}" for *_, label in columns)
           + f" {'max|d logit|':>12} {'argmax':>7}")
     for dtype, fmt in PAIRS:
-        for name in (_name(dtype), f"llama.cpp {fmt}"):
+        for name in (dtype_name(dtype), f"llama.cpp {fmt}"):
             a = r["accuracy"][name]
             print(f"{dtype + ' / ' + fmt:<18} {name:<20} "
                   + " ".join(f"{_ms(r[kind], key, name):>12}" for kind, key, _ in columns)
@@ -108,5 +115,5 @@ def print_report(r):
 
 
 def _ms(rows, key, name):
-    stats = dict(_systems(rows[key])).get(name)
+    stats = dict(system_rows(rows[key])).get(name)
     return f"{stats['median_ms']:.1f}" if stats else "-"

@@ -15,7 +15,9 @@ import time
 
 import numpy as np
 
-from .bench import _PEAK_RSS, _Load, _name, _pct, _prefill_flops, _progress, _Remote, _run, _stats, wait_for_idle
+from . import transformers
+from .core import (PEAK_RSS, Load, Remote, dtype_name, gpt2numba_system, percent, prefill_flops, progress,
+                   run_script, summary, wait_for_idle)
 
 
 def run(args, model_dir, w) -> dict:
@@ -31,19 +33,20 @@ def run(args, model_dir, w) -> dict:
     report = {"long": {"tokens": args.score_long, "stride": args.score_stride},
               "docs": {"documents": len(docs), "doc_tokens": [low, high], "transformers_batch": args.score_batch}}
 
-    ours = _Remote("float32", model_dir, args.threads)
-    theirs = None if args.no_transformers else _Remote("transformers", model_dir, args.threads)
+    mine = Remote(gpt2numba_system, "float32", model_dir, args.threads)
+    theirs = None if args.no_transformers else Remote(transformers.system, "transformers", model_dir,
+                                                              args.threads)
     if theirs and theirs.version is None:
         theirs.close()
         theirs = None
     report["transformers"] = theirs.version if theirs else None
-    systems = [ours, *([theirs] if theirs else [])]
+    systems = [mine, *([theirs] if theirs else [])]
     try:
         jobs = {s.name: _jobs(s.name, long_ids, docs, args) for s in systems}
-        for section, method in _progress((("long", "score_long"), ("docs", "score_docs")), "scoring"):
+        for section, method in progress((("long", "score_long"), ("docs", "score_docs")), "scoring"):
             job = {name: jobs[name][method] for name in jobs}
             report[section].update(_alternate(systems, method, job, args.score_repeat))
-        report["head"] = _head_cost(ours, w, args)
+        report["head"] = _head_cost(mine, w, args)
     finally:
         for remote in systems:
             remote.close()
@@ -73,18 +76,18 @@ def _alternate(systems, method, job, repeat):
     first = {s.name: s.call(method, job[s.name])[1] for s in systems}  # warm-up: (tokens, nlls)
     times = {s.name: [] for s in systems}
     wait_for_idle()
-    with _Load(*(s.process.pid for s in systems)) as load:
+    with Load(*(s.process.pid for s in systems)) as load:
         for _ in range(repeat):
             for s in systems:
                 times[s.name].append(s.call(method, job[s.name])[0])
     result = {"others_cpu": load.share}
     for s in systems:
         tokens, nlls = first[s.name]
-        result[s.name] = {**_stats(times[s.name]), "scored": tokens, "nll": float(sum(nlls))}
+        result[s.name] = {**summary(times[s.name]), "scored": tokens, "nll": float(sum(nlls))}
         result[s.name]["tok_s"] = 1e3 * tokens / result[s.name]["median_ms"]
     if "transformers" in first:
-        ours, theirs = (np.array(first[name][1]) for name in (_name("float32"), "transformers"))
-        result["same_tokens_scored"] = first["transformers"][0] == first[_name("float32")][0]
+        ours, theirs = (np.array(first[name][1]) for name in (dtype_name("float32"), "transformers"))
+        result["same_tokens_scored"] = first["transformers"][0] == first[dtype_name("float32")][0]
         result["max_rel_nll_diff"] = float(np.max(np.abs(ours - theirs) / np.abs(theirs)))
     return result
 
@@ -102,7 +105,7 @@ def _head_cost(ours, w, args):
         times["blocks"].append(ours.call("prefill", ids)[0])
         times["scoring"].append(ours.call("score_long", (ids, T))[0])
     head_flops = 2 * T * cfg.n_embd * cfg.vocab_size
-    blocks_flops = _prefill_flops(cfg, T) - 2 * cfg.n_embd * cfg.vocab_size  # without prefill's one head row
+    blocks_flops = prefill_flops(cfg, T) - 2 * cfg.n_embd * cfg.vocab_size  # without prefill's one head row
     blocks, scoring = (float(np.median(t)) for t in times.values())
     return {"window": T, "blocks_ms": 1e3 * blocks, "head_ms": 1e3 * (scoring - blocks),
             "head_gflop": head_flops / 1e9, "blocks_gflop": blocks_flops / 1e9}
@@ -110,10 +113,11 @@ def _head_cost(ours, w, args):
 
 _SCORE_RSS = """
 import argparse, json, sys
-from gpt2numba.bench import _system
-from gpt2numba.bench_score import _jobs, _workload
+from gpt2numba.bench import core, transformers
+from gpt2numba.bench.scoring import _jobs, _workload
 args = argparse.Namespace(**json.loads(sys.argv[3]))
-system, name, _ = _system(sys.argv[2], sys.argv[1], args.threads)
+make = transformers.system if sys.argv[2] == "transformers" else core.gpt2numba_system
+system, name, _ = make(sys.argv[2], sys.argv[1], args.threads)
 jobs = _jobs(name, *_workload(args.vocab_size, args), args)
 system.score_long(jobs["score_long"])
 system.score_docs(jobs["score_docs"])
@@ -126,9 +130,9 @@ def _peak_rss(model_dir, args, vocab_size, with_theirs):
     settings = json.dumps({**{k: getattr(args, k) for k in ("threads", "score_long", "score_stride",
                                                               "score_doc_tokens", "score_docs", "score_batch")},
                            "vocab_size": vocab_size})
-    result = {_name("float32"): _run(_PEAK_RSS + _SCORE_RSS, model_dir, None, "float32", settings)}
+    result = {dtype_name("float32"): run_script(PEAK_RSS + _SCORE_RSS, model_dir, None, "float32", settings)}
     if with_theirs:
-        result["transformers"] = _run(_PEAK_RSS + _SCORE_RSS, model_dir, None, "transformers", settings)
+        result["transformers"] = run_script(PEAK_RSS + _SCORE_RSS, model_dir, None, "transformers", settings)
     return result
 
 
@@ -137,9 +141,9 @@ def _ray_overhead(model_dir, w, docs, args):
     --threads CPUs (one worker of --threads threads: the same cores), the cluster's start apart."""
     import ray
 
-    from .distributed import score_dataset
-    from .scoring import score_batch
-    from .tokenizer import load_tokenizer
+    from ..distributed import score_dataset
+    from ..scoring import score_batch
+    from ..tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     texts = [tokenizer.decode(ids) for ids in docs]
@@ -181,12 +185,12 @@ def print_report(r):
           f"{'min-max s':>13} {'others':>6}")
     for label, row in ((f"1 x {long['tokens']} tokens, stride {long['stride']}", long),
                        (f"{docs['documents']} docs of {docs['doc_tokens'][0]}-{docs['doc_tokens'][1]} tokens", docs)):
-        ours = row[_name("float32")]
+        ours = row[dtype_name("float32")]
         for name, o in ((name, o) for name, o in row.items() if isinstance(o, dict)):
             versus = f"{o['tok_s'] / row['transformers']['tok_s']:.2f}x" if "transformers" in row else ""
             print(f"{label:<34} {name:<13} {o['median_ms'] / 1e3:>8.2f} {o['tok_s']:>7.0f} "
                   f"{versus if o is ours else '':>15} {o['min_ms'] / 1e3:>6.2f}-{o['max_ms'] / 1e3:<6.2f} "
-                  f"{_pct(row['others_cpu']):>6}")
+                  f"{percent(row['others_cpu']):>6}")
             label = ""
         if "max_rel_nll_diff" in row:
             print(f"{'':<35}tokens scored: {ours['scored']} both"

@@ -1,0 +1,100 @@
+"""Benchmark: gpt2numba and Hugging Face transformers on the same weights, beside this machine's floors.
+
+    gpt2numba bench [--model DIR] [--threads 2] [--dtypes float32 bfloat16 int8 int4] [--json bench.json]
+    (or python profiling/bench.py)
+
+Prefill time at several prompt lengths, decode ms/token at several contexts, cold
+start (a new process from import to the first logits) and peak resident memory
+(prefill 512, decode 128); throughput: tokens/s of B sequences decoding together
+(decode_batch, against transformers' batched generate), a ragged mix of contexts,
+and prefill_batch against one prefill after another. The two systems alternate
+run by run (A B A B ...) so drift on a shared machine hits both. The floors come
+from this machine in the same run: streaming read bandwidth (decode reads every
+weight once per token) and float32 GEMM rate at a GPT-2 shape (prefill is matrix
+products; so is a decode step of many sequences). transformers and torch are
+optional (pip install 'gpt2numba[bench]'); without them only our figures and the
+floors are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from ..compact import DTYPES
+from . import llama, scoring, standard
+from .core import machine, wait_for_idle
+
+__all__ = ["main", "wait_for_idle"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.lengths = args.lengths or ([128, 512] if args.llama else [16, 128, 512, 1024])
+    args.contexts = args.contexts or ([128, 900] if args.llama else [16, 128, 900])
+
+    import gpt2numba as g
+
+    g.set_threads(args.threads)
+    report = {"threads": args.threads, "machine": machine()}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model:
+            model_dir = Path(args.model)
+        else:
+            model_dir = Path(tmp, "gpt2-small-random")
+            g.save_weights(g.random_weights(g.GPT2Config.small(), seed=0), model_dir)
+        w = g.load_weights(model_dir)
+        report["model"] = str(args.model or "random GPT-2 small (seed 0)")
+        section = scoring if args.score else llama if args.llama else standard
+        report.update(section.run(args, model_dir, w))
+    section.print_report(report)
+    return _write(report, args.json)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpt2numba bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint directory (default: seeded random GPT-2 small, written to a temp dir)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lengths", type=int, nargs="+", help="prompt lengths (default 16 128 512 1024; --llama: 128 512)")
+    p.add_argument("--contexts", type=int, nargs="+", help="decode after these (default 16 128 900; --llama: 128 900)")
+    p.add_argument("--repeat", type=int, default=5, help="prefill runs per length (median)")
+    p.add_argument("--steps", type=int, default=64, help="decode steps per context (median)")
+    p.add_argument("--bandwidth-mib", type=int, default=1024, help="array size for the read-bandwidth floor")
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES, help="gpt2numba's weight formats to run")
+    p.add_argument("--accuracy-prompts", type=int, default=16,
+                   help="random prompts for the compact formats' accuracy figures")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64],
+                   help="sequences decoding together (throughput)")
+    p.add_argument("--batch-context", type=int, default=128, help="context of every sequence (throughput)")
+    p.add_argument("--batch-steps", type=int, default=16, help="decode_batch steps per batch size (median)")
+    p.add_argument("--transformers-max-s", type=float, default=120.0,
+                   help="skip transformers' generate at a batch predicted (from the last one) to take longer")
+    p.add_argument("--no-throughput", action="store_true", help="skip the batched (throughput) section")
+    p.add_argument("--no-transformers", action="store_true", help="only gpt2numba and the floors")
+    p.add_argument("--no-processes", action="store_true", help="skip cold start and peak memory")
+    p.add_argument("--json", type=Path, help="write every figure here")
+    scoring = p.add_argument_group("scoring", "gpt2numba bench --score runs this section alone (float32)")
+    scoring.add_argument("--score", action="store_true", help="the scoring benchmark instead of the above")
+    scoring.add_argument("--score-long", type=int, default=4096, metavar="TOKENS", help="the long document")
+    scoring.add_argument("--score-stride", type=int, default=512, help="its sliding windows' stride")
+    scoring.add_argument("--score-docs", type=int, default=200, metavar="N", help="short documents")
+    scoring.add_argument("--score-doc-tokens", type=int, nargs=2, default=[100, 300], metavar=("LOW", "HIGH"),
+                         help="their lengths, uniform in [LOW, HIGH]")
+    scoring.add_argument("--score-batch", type=int, default=16, help="transformers' documents per padded batch")
+    scoring.add_argument("--score-repeat", type=int, default=3, help="runs per workload (median)")
+    scoring.add_argument("--ray", action="store_true",
+                         help="also the short documents through Ray Data on a local cluster (the [ray] extra)")
+    p.add_argument("--llama", action="store_true",
+                   help="llama.cpp on GGUF files of the same weights instead of the above (the [peers] extra)")
+    return p
+
+
+def _write(report, path):
+    if path:
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {path}")
+    return 0
+

@@ -1,0 +1,332 @@
+"""The benchmark's shared machinery: systems in worker processes behind the same calls, runs that alternate
+between them, this machine's floors, waiting for a quiet machine and saying how loud it was, the figures'
+summaries and the helpers that print them. Each section (standard, throughput, scoring, llama) imports this
+module and none of the others' private names.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+GEMM_SHAPE = (512, 768, 3072)  # (tokens, n_embd, 4 n_embd): GPT-2 small's c_fc at 512 tokens
+
+
+# --- systems in worker processes, behind the same calls ----------------------------------------------------
+
+class Remote:
+    """One system in a worker process; call() runs one prefill or decode there and times it."""
+
+    def __init__(self, make, kind, model_dir, threads):
+        """make(kind, model_dir, threads) -> (system, name, version), run in the worker: gpt2numba_system
+        here, or a peer module's ``system``; a module-level function, so that the spawned worker imports it."""
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_work, args=(make, kind, str(model_dir), threads, child), daemon=True)
+        self.process.start()
+        self.name, self.version = self.conn.recv()
+
+    def call(self, method, arg, logits=False):
+        """(seconds, greedy, logits or None) of system.method(arg), timed in the worker.
+
+        greedy: the argmax of each row of logits, an int for (vocab,) and a list for (B, vocab);
+        a method that returns no logits has its result here instead.
+        """
+        time.sleep(0.02)  # let the other process's threads stop spinning
+        self.conn.send((method, arg, logits))
+        reply = self.conn.recv()
+        if isinstance(reply, str):
+            raise RuntimeError(f"{self.name} failed: {reply}")
+        return reply
+
+    def close(self):
+        self.conn.send(None)
+        self.process.join(timeout=30)
+
+
+def _work(make, kind, model_dir, threads, conn):
+    """The worker process: build the system, then run calls until the parent sends None."""
+    system, name, version = make(kind, model_dir, threads)
+    conn.send((name, version))
+    while (msg := conn.recv()) is not None:
+        method, arg, want_logits = msg
+        try:
+            t = time.perf_counter()
+            out = getattr(system, method)(arg)
+            seconds = time.perf_counter() - t
+            greedy = out.argmax(-1).tolist() if isinstance(out, np.ndarray) else out
+            conn.send((seconds, greedy, out if want_logits else None))
+        except Exception as e:  # reported to the parent, which stops the run
+            conn.send(f"{type(e).__name__}: {e}")
+
+
+class Ours:
+    def __init__(self, g, w):
+        self.g, self.w = g, w
+        self.name = dtype_name(w.dtype)
+        self.mc = g.ModelCache(w.config)
+        self.caches = []  # the batch's, one per sequence
+
+    def prefill(self, ids):
+        self.mc.reset()
+        return self.g.prefill(ids, self.w, self.mc)
+
+    def decode(self, token):
+        return self.g.decode_step(token, self.w, self.mc)
+
+    def batch_caches(self, max_lens):
+        """New caches for a batch, each just long enough: 64 of 1024 positions would be 4.8 GB."""
+        self.caches = []  # the old ones go first
+        self.caches = [self.g.ModelCache(self.w.config, max_len=n) for n in max_lens]
+
+    def prefill_batch(self, prompts):
+        for mc in self.caches:
+            mc.reset()
+        return self.g.prefill_batch(prompts, self.w, self.caches)  # (B, vocab)
+
+    def prefill_each(self, prompts):
+        """The same prompts one prefill after another: what prefill_batch saves."""
+        for mc in self.caches:
+            mc.reset()
+        return np.stack([self.g.prefill(ids, self.w, mc) for ids, mc in zip(prompts, self.caches)])
+
+    def decode_batch(self, tokens):
+        return self.g.decode_batch(tokens, self.w, self.caches)  # (B, vocab)
+
+    def score_long(self, job):
+        """One long document in sliding windows: (tokens scored, [nll])."""
+        ids, stride = job
+        s = self.g.score(ids, self.w, stride=stride)
+        return s.n_tokens, [s.nll]
+
+    def score_docs(self, docs):
+        """Many short documents: (tokens scored, nll per document)."""
+        scores = self.g.score_batch(docs, self.w)
+        return sum(s.n_tokens for s in scores), [s.nll for s in scores]
+
+
+def gpt2numba_system(dtype, model_dir, threads):
+    """(system, name, version) of gpt2numba in the format ``dtype``: a ``make`` for Remote."""
+    import gpt2numba as g
+
+    g.set_threads(threads)
+    system = Ours(g, g.load_weights(model_dir, dtype=dtype))
+    return system, system.name, "gpt2numba"
+
+
+def dtype_name(dtype):
+    return "gpt2numba" if dtype == "float32" else f"gpt2numba {dtype}"
+
+
+# --- alternating runs --------------------------------------------------------------------------------
+
+def progress(items, what):
+    """A progress bar on stderr over ``items`` (the benchmark takes minutes)."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=what, unit="block", file=sys.stderr, leave=False)
+
+
+def prefill_runs(systems, w, args):
+    rng = np.random.default_rng(0)
+    results = {}
+    for T in progress(args.lengths, "prefill"):
+        if T > w.config.n_positions:
+            continue
+        ids = rng.integers(0, w.config.vocab_size, T)
+        logits = {s.name: s.call("prefill", ids, logits=True)[2] for s in systems}  # warm-up; must agree
+        times = {s.name: [] for s in systems}
+        wait_for_idle()
+        with Load(*(s.process.pid for s in systems)) as load:
+            for _ in range(args.repeat):
+                for s in systems:
+                    times[s.name].append(s.call("prefill", ids)[0])
+        results[T] = {name: summary(ts) for name, ts in times.items()}
+        results[T]["others_cpu"] = load.share
+        if "transformers" in logits and "gpt2numba" in logits:
+            results[T]["max_abs_logit_diff"] = float(np.abs(logits["gpt2numba"] - logits["transformers"]).max())
+    return results
+
+
+def decode_runs(systems, w, args):
+    rng = np.random.default_rng(1)
+    results = {}
+    for context in progress(args.contexts, "decode"):
+        if context + args.steps + 1 > w.config.n_positions:
+            continue
+        ids = rng.integers(0, w.config.vocab_size, context)
+        tokens = {s.name: s.call("prefill", ids)[1] for s in systems}
+        for s in systems:  # one untimed step each: warm-up
+            tokens[s.name] = s.call("decode", tokens[s.name])[1]
+        times = {s.name: [] for s in systems}
+        wait_for_idle()
+        with Load(*(s.process.pid for s in systems)) as load:
+            for _ in range(args.steps):
+                for s in systems:
+                    seconds, tokens[s.name], _ = s.call("decode", tokens[s.name])
+                    times[s.name].append(seconds)
+        results[context] = {name: summary(ts) for name, ts in times.items()}
+        results[context]["others_cpu"] = load.share
+        if "transformers" in tokens and "gpt2numba" in tokens:
+            results[context]["same_greedy_tokens"] = tokens["gpt2numba"] == tokens["transformers"]
+    return results
+
+
+def summary(seconds):
+    ms = 1e3 * np.asarray(seconds)
+    return {"median_ms": float(np.median(ms)), "min_ms": float(ms.min()), "max_ms": float(ms.max()), "n": len(ms)}
+
+
+# --- the machine's floors ---------------------------------------------------------------------------
+
+def measure_floors(stored, args):
+    """Read bandwidth and GEMM rate of this machine, and what they make the floors of decode and prefill.
+
+    stored: dtype -> the weights in that format."""
+    from ..kernels import _stream_sum
+
+    wait_for_idle()
+    a = np.ones(args.bandwidth_mib * 2**20 // 4, np.float32)
+    _stream_sum(a)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        _stream_sum(a)
+        times.append(time.perf_counter() - t)
+    bandwidth = a.nbytes / min(times)  # the best pass: what the memory can do
+    del a
+    gemm = gemm_rate(*GEMM_SHAPE, args.threads)
+    cfg = stored["float32"].config
+    # decode reads every matrix once, the output head included, but only one row of wpe
+    decode_bytes = {dtype_name(d): wd.nbytes - wd.wpe.nbytes for d, wd in stored.items()}
+    decode_bytes["transformers"] = decode_bytes[dtype_name("float32")]
+    floors = {"read_gb_s": bandwidth / 1e9, "gemm_gflop_s": gemm / 1e9, "decode_bytes": decode_bytes,
+              "decode_floor_ms": {k: 1e3 * b / bandwidth for k, b in decode_bytes.items()},
+              "prefill_floor_ms": {T: 1e3 * prefill_flops(cfg, T) / gemm for T in args.lengths}}
+    return floors
+
+
+def gemm_rate(M, K, N, threads):
+    """FLOP/s of the best of ten float32 (M, K) @ (K, N) products, BLAS on ``threads`` threads."""
+    from threadpoolctl import threadpool_limits
+
+    x, b, out = np.ones((M, K), np.float32), np.ones((K, N), np.float32), np.empty((M, N), np.float32)
+    with threadpool_limits(threads, user_api="blas"):
+        np.matmul(x, b, out=out)
+        times = []
+        for _ in range(10):
+            t = time.perf_counter()
+            np.matmul(x, b, out=out)
+            times.append(time.perf_counter() - t)
+    return 2 * M * K * N / min(times)
+
+
+def prefill_flops(cfg, T):
+    """Multiply-adds x 2 of a T-token prefill: the blocks' matrices, attention, one row of the head."""
+    C, L = cfg.n_embd, cfg.n_layer
+    matrices = 2 * T * L * (C * 3 * C + C * C + 2 * C * 4 * C)
+    attention = 2 * 2 * L * C * T * (T + 1) / 2  # scores and weighted values over the causal triangle
+    return matrices + attention + 2 * cfg.vocab_size * C
+
+
+def versus_float32(logits, f32) -> dict:
+    """How far each row of logits is from the float32 model's for the same prompt: the largest |difference|,
+    and the share of prompts with the same argmax."""
+    return {"max_abs_diff_vs_float32": max(float(np.abs(a - b).max()) for a, b in zip(logits, f32)),
+            "argmax_agreement_with_float32": float(np.mean([a.argmax() == b.argmax() for a, b in zip(logits, f32)]))}
+
+
+# --- new processes --------------------------------------------------------------------------------------
+
+# ru_maxrss survives execve on Linux (a child reports its parent's peak); VmHWM does not.
+PEAK_RSS = """
+def peak_rss_mb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+"""
+
+
+def run_script(script, model_dir, env=None, *extra):
+    out = subprocess.run([sys.executable, "-c", script, str(model_dir), *extra], capture_output=True, text=True,
+                         env={**os.environ, **(env or {})}, timeout=900)
+    if out.returncode:
+        raise RuntimeError(f"benchmark subprocess failed: {out.stderr.strip().splitlines()[-1:]}")
+    return float(out.stdout.split()[-1])
+
+
+# --- a shared machine: wait for quiet, and say how loud it was -----------------------------------
+
+def _busy_jiffies():
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)  # (busy, total): idle and iowait excluded
+
+
+class Load:
+    """Share of the machine's CPU that processes other than the benchmark's used during a block."""
+
+    def __init__(self, *pids):
+        self.pids = pids
+
+    def __enter__(self):
+        self.share = None
+        if os.path.exists("/proc/stat"):
+            self._start = (_busy_jiffies(), self._ours())
+        return self
+
+    def __exit__(self, *exc):
+        if os.path.exists("/proc/stat"):
+            (busy0, total0), ours0 = self._start
+            busy1, total1 = _busy_jiffies()
+            ours = self._ours() - ours0
+            self.share = max(0.0, (busy1 - busy0 - ours) / max(1, total1 - total0))
+
+    def _ours(self):
+        """Jiffies of CPU used by this process and its worker processes."""
+        total = 0
+        for pid in ("self", *self.pids):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total
+
+
+def wait_for_idle(threshold=0.1, patience_s=30.0):
+    """Wait (up to patience_s) until others use under ``threshold`` of the CPU over half a second."""
+    if not os.path.exists("/proc/stat"):
+        return
+    deadline = time.monotonic() + patience_s
+    while time.monotonic() < deadline:
+        (b0, t0) = _busy_jiffies()
+        time.sleep(0.5)
+        (b1, t1) = _busy_jiffies()
+        if (b1 - b0) / max(1, t1 - t0) < threshold:
+            return
+
+
+def machine():
+    return {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
+
+
+# --- printing -------------------------------------------------------------------------------------------
+
+def system_rows(row):
+    return [(name, stats) for name, stats in row.items() if isinstance(stats, dict)]
+
+
+def versus(row, name):
+    """How many times faster than transformers (its median over ours)."""
+    if "transformers" not in row or name == "transformers":
+        return ""
+    return f"{row['transformers']['median_ms'] / row[name]['median_ms']:.2f}x faster"
+
+
+def percent(share):
+    return "-" if share is None else f"{100 * share:.0f}%"
+
