@@ -16,6 +16,7 @@ Shapes: N = rows, B = sequences, C = n_embd, V = vocab_size.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import weakref
 
@@ -27,23 +28,18 @@ from . import checks, compact
 from .config import GPT2Config
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
 from .intkernels import INT_ROWS_MAX, _int_matmul, _round_rows, _widen_matrix
-from .kernels import (
-    ATTEND_TILE,
+from .kernels import ATTEND_TILE, _attend, _attention_plan, _gelu, _layernorm, _write_kv
+from .matkernels import (
     HEAD_ROWS_MAX,
     ROWS_MAX,
-    _attend,
-    _attention_plan,
     _expand_bf16,
-    _gelu,
     _gemv_bf16,
     _head,
     _head_compact,
     _head_rows,
-    _layernorm,
     _linear,
     _linear_rows,
     _linear_t,
-    _write_kv,
 )
 from .kvcache import ModelCache
 from .models import default_weights  # where weights come from; re-exported here as before

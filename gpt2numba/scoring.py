@@ -17,7 +17,7 @@ import numpy as np
 from . import checks
 from .errors import ConfigError, TokenTypeError
 from .forward import _forward, head_inputs
-from .kernels import _head_log_softmax
+from .matkernels import _head_log_softmax
 from .kvcache import ModelCache
 from .sample import _tokenizer
 from .tokenizer import Tokenizer

@@ -13,7 +13,7 @@ from threadpoolctl import threadpool_limits
 import gpt2numba as g
 from checkpoints import write_dir
 from conftest import TINY
-from gpt2numba import compact, intkernels, kernels, oracle
+from gpt2numba import compact, intkernels, matkernels, oracle
 from gpt2numba.intkernels import INT_ROWS_MAX
 from helpers import check_chunks, check_generate_batch, check_prefill, randn
 
@@ -77,7 +77,7 @@ def test_gemv_bfloat16(K, N, n_blocks, accumulate, seed):
     stored = compact.to_bfloat16(randn(rng, K, N))
     x, b, out = randn(rng, 1, K), randn(rng, N), randn(rng, 1, N)
     ref = (out.astype(np.float64) if accumulate else 0) + x @ compact.from_bfloat16(stored) + b
-    kernels._gemv_bf16(x, stored, b, np.empty(n_blocks * N, np.float32), out, accumulate, n_blocks)
+    matkernels._gemv_bf16(x, stored, b, np.empty(n_blocks * N, np.float32), out, accumulate, n_blocks)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -148,7 +148,7 @@ def test_int_rows_uses_the_integer_multiply_add(dtype):
 def test_head(V, C, R, n_blocks, dtype, seed):
     def head(stored, scale, h, out):
         with threadpool_limits(1, user_api="blas"):
-            kernels._head_compact(stored, scale, h, out, n_blocks)  # (the integer formats' callers round h first)
+            matkernels._head_compact(stored, scale, h, out, n_blocks)  # (the integer formats' callers round h first)
     check_head(head, V, C, R, dtype, seed)
 
 
@@ -160,13 +160,13 @@ def test_linear_rows_bfloat16(T, K, N, n_blocks, accumulate, seed):
     stored = compact.to_bfloat16(randn(rng, K, N))
     x, b, out = randn(rng, T, K), randn(rng, N), randn(rng, T, N)
     ref = (out.astype(np.float64) if accumulate else 0) + x @ compact.from_bfloat16(stored) + b
-    kernels._linear_rows(x, stored, b, np.empty((T + 1) * N, np.float32), out, accumulate, n_blocks)
+    matkernels._linear_rows(x, stored, b, np.empty((T + 1) * N, np.float32), out, accumulate, n_blocks)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
 @given(V=st.integers(1, 60), C=groups, R=st.integers(2, 5), n_blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_head_rows_bfloat16(V, C, R, n_blocks, seed):
-    check_head(lambda stored, scale, h, out: kernels._head_rows(stored, h, out, n_blocks), V, C, R, "bfloat16", seed)
+    check_head(lambda stored, scale, h, out: matkernels._head_rows(stored, h, out, n_blocks), V, C, R, "bfloat16", seed)
 
 
 def check_head(head, V, C, R, dtype, seed):
@@ -183,7 +183,7 @@ def test_expand(K, N, dtype, seed):
     stored, scale = compact.compress("c_fc_w", randn(np.random.default_rng(seed), K, N), dtype)
     if dtype == "bfloat16":
         out = np.empty((K, N), np.float32)
-        kernels._expand_bf16(stored, out)
+        matkernels._expand_bf16(stored, out)
     else:  # the integer formats widen [out, in], as they store
         out = np.empty((N, K), np.float32)
         intkernels._widen_matrix(stored, scale, out)

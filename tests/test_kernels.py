@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from numba import typed
 from threadpoolctl import threadpool_limits
 
-from gpt2numba import kernels, oracle
+from gpt2numba import kernels, matkernels, oracle
 from helpers import randn
 
 dims = st.integers(1, 40)
@@ -123,7 +123,7 @@ def test_linear(T, K, N, n_blocks, split_k, accumulate, seed):
     ref = (out.astype(np.float64) if accumulate else 0) + x.astype(np.float64) @ w + b
     scratch = np.empty(n_blocks * T * N, np.float32)
     with threadpool_limits(1, user_api="blas"):
-        kernels._linear(x, w, b, scratch, out, accumulate, n_blocks, split_k)
+        matkernels._linear(x, w, b, scratch, out, accumulate, n_blocks, split_k)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -134,7 +134,7 @@ def test_linear_rows(T, K, N, n_blocks, accumulate, seed):
     rng = np.random.default_rng(seed)
     x, w, b, out = randn(rng, T, K), randn(rng, K, N), randn(rng, N), randn(rng, T, N)
     ref = (out.astype(np.float64) if accumulate else 0) + x.astype(np.float64) @ w + b
-    kernels._linear_rows(x, w, b, np.empty((T + 1) * N, np.float32), out, accumulate, n_blocks)
+    matkernels._linear_rows(x, w, b, np.empty((T + 1) * N, np.float32), out, accumulate, n_blocks)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -143,7 +143,7 @@ def test_head_rows(V, C, R, n_blocks, seed):
     """The few-rows head: four vocabulary rows at a time and the one-by-one tail."""
     rng = np.random.default_rng(seed)
     wte, h, out = randn(rng, V, C), randn(rng, R, C), np.empty((R, V), np.float32)
-    kernels._head_rows(wte, h, out, n_blocks)
+    matkernels._head_rows(wte, h, out, n_blocks)
     np.testing.assert_allclose(out, h.astype(np.float64) @ wte.T, atol=1e-4, rtol=1e-4)
 
 
@@ -154,7 +154,7 @@ def test_head(V, C, R, n_blocks, seed):
     rng = np.random.default_rng(seed)
     wte, h, out = randn(rng, V, C), randn(rng, R, C), np.empty((R, V), np.float32)
     with threadpool_limits(1, user_api="blas"):
-        kernels._head(wte, h, out, n_blocks)
+        matkernels._head(wte, h, out, n_blocks)
     np.testing.assert_allclose(out, h.astype(np.float64) @ wte.T, atol=1e-4, rtol=1e-4)
 
 

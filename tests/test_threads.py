@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import numba
-import numpy as np
 import pytest
 
 import gpt2numba as g

@@ -1,0 +1,439 @@
+"""Numba kernels of the matrix products: the blocks' linear layers and the tied output head.
+
+Private and unchecked, as kernels.py (whose shapes and conventions these share). Weights
+are float32, or bfloat16 bits as uint16 (read directly, widened in registers, by one row
+and a few; widened one matrix at a time for BLAS by many). The integer formats' own
+products are in intkernels.py; their heads over many rows are here, beside bfloat16's.
+Every parallel kernel hands out its chunks from an atomic counter (chunks.py).
+"""
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from .chunks import _claim
+from .intkernels import _widen_group
+from .kernels import FASTMATH, ROW_CHUNKS, SERIAL_ROWS, _exp_inplace
+
+
+@intrinsic
+def _as_float32(typingctx, bits):
+    """The float32 whose bits are the uint32 ``bits`` (a register move, so loops stay vectorised)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _linear(x, w, b, scratch, out, accumulate, n_blocks, split_k):
+    """out = x @ w + b, or out += x @ w + b when ``accumulate`` (a residual add).
+
+    x: (T, K); w: (K, N); b: (N,); out: (T, N); scratch: flat float32, at least
+    n_blocks * T * N elements when ``split_k``, else T * N. Work splits into
+    n_blocks (one per thread), each a single-threaded BLAS product:
+    split_k: blocks of w's rows into partial sums, so each thread streams its
+    own part of the weights (few tokens, where reading w is the cost);
+    otherwise blocks of x's rows (many tokens, where the flops are).
+    """
+    T, K = x.shape
+    N = w.shape[1]
+    if split_k:
+        partial = scratch[: n_blocks * T * N].reshape(n_blocks, T, N)
+        step = (K + n_blocks - 1) // n_blocks
+        nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+        for _ in prange(n_blocks):
+            blk = _claim(nxt)
+            while blk < n_blocks:
+                lo = min(K, blk * step)
+                hi = min(K, lo + step)
+                if lo < hi:
+                    np.dot(x[:, lo:hi].copy(), w[lo:hi], partial[blk])
+                else:
+                    partial[blk] = 0.0
+                blk = _claim(nxt)
+        if T <= SERIAL_ROWS:
+            for i in range(T):
+                _sum_partials(partial, i, b, out, accumulate)
+            return
+        n_chunks = min(T, ROW_CHUNKS)
+        nxt = np.zeros(1, np.int64)
+        for _ in prange(n_chunks):
+            c = _claim(nxt)
+            while c < n_chunks:
+                for i in range(c * T // n_chunks, (c + 1) * T // n_chunks):
+                    _sum_partials(partial, i, b, out, accumulate)
+                c = _claim(nxt)
+    else:
+        product = scratch[: T * N].reshape(T, N)
+        step = (T + n_blocks - 1) // n_blocks
+        nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+        for _ in prange(n_blocks):
+            blk = _claim(nxt)
+            while blk < n_blocks:
+                lo = min(T, blk * step)
+                hi = min(T, lo + step)
+                if lo < hi:
+                    np.dot(x[lo:hi], w, product[lo:hi])
+                    for i in range(lo, hi):
+                        for j in range(N):
+                            s = product[i, j] + b[j]
+                            out[i, j] = out[i, j] + s if accumulate else s
+                blk = _claim(nxt)
+
+
+@njit(cache=True, nogil=True)
+def _sum_partials(partial, i, b, out, accumulate):
+    """out[i] (+)= b + the sum over blocks of partial[:, i]. partial: (n_blocks, T, N)."""
+    for j in range(out.shape[1]):
+        s = b[j]
+        for blk in range(partial.shape[0]):
+            s += partial[blk, i, j]
+        out[i, j] = out[i, j] + s if accumulate else s
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _linear_t(x, wt, b, scratch, out, accumulate, n_blocks):
+    """out (+)= x @ wt.T + b for weights stored [out, in] (the integer formats' widened matrices).
+
+    x: (T, K); wt: (N, K); b: (N,); out: (T, N); scratch: flat float32 of at least T * N.
+    Each thread takes a block of wt's rows: one single-threaded BLAS product.
+    """
+    T = x.shape[0]
+    N = wt.shape[0]
+    step = ((N + n_blocks - 1) // n_blocks + 15) // 16 * 16
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            lo, hi = min(N, blk * step), min(N, (blk + 1) * step)
+            if lo < hi:
+                part = scratch[T * lo: T * hi].reshape(T, hi - lo)
+                np.dot(x, wt[lo:hi].T, part)
+                for i in range(T):
+                    for j in range(hi - lo):
+                        v = part[i, j] + b[lo + j]
+                        out[i, lo + j] = out[i, lo + j] + v if accumulate else v
+            blk = _claim(nxt)
+
+
+# Up to this many rows, _head_rows beats the head's BLAS products and the compact
+# heads' widened chunks (measured on 2 cores, GPT-2 small: 1.6x at 8 rows in float32,
+# 2.2x in bfloat16).
+HEAD_ROWS_MAX = 16
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+def _head_rows(wte, h, out, n_blocks):
+    """Tied output head for a few rows: out = h @ W.T, W = widen(wte), read as stored.
+
+    wte: (V, C) float32 or bfloat16 bits; h: (R, C); out: (R, V). Each thread streams a block
+    of vocabulary rows, four at a time, and takes every row's dot products with them while
+    they are in cache.
+    """
+    V = wte.shape[0]
+    step = ((V + n_blocks - 1) // n_blocks + 3) // 4 * 4
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+            for v in range(lo, hi - 3, 4):
+                _head_dots(h, wte, v, 4, out)
+            for v in range(hi - (hi - lo) % 4, hi):
+                _head_dots(h, wte, v, 1, out)
+            blk = _claim(nxt)
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def _head_dots(h, wte, v, n, out):
+    """out[:, v:v+n] = h @ W[v:v+n].T for n = 4 vocabulary rows, or 1 (the last ones)."""
+    R, C = h.shape
+    w0, w1, w2, w3 = wte[v], wte[v + n // 4], wte[v + 2 * (n // 4)], wte[v + 3 * (n // 4)]
+    for r in range(R):
+        x = h[r]
+        s0 = s1 = s2 = s3 = np.float32(0.0)
+        for c in range(C):
+            s0 += x[c] * _widen(w0[c])
+            s1 += x[c] * _widen(w1[c])
+            s2 += x[c] * _widen(w2[c])
+            s3 += x[c] * _widen(w3[c])
+        out[r, v] = s0
+        if n == 4:
+            out[r, v + 1], out[r, v + 2], out[r, v + 3] = s1, s2, s3
+
+
+# Vocabulary rows per step of the head over several rows: a (HEAD_CHUNK, C) slice
+# of wte (and its float32 widening, for compact weights) stays in cache while
+# every row's scores are taken from it.
+HEAD_CHUNK = 512
+
+
+def _widen(v):
+    """A stored weight as float32: itself, or bfloat16 bits (uint16)."""
+
+
+@overload(_widen, inline="always")
+def _widen_typed(v):
+    if v == types.uint16:
+        return lambda v: _as_float32(np.uint32(v) << 16)
+    return lambda v: np.float32(v)
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def _rows_update(x, t, u, k, w, lo, hi, a, b):
+    """a += x[t, k:k+8] @ W[k:k+8, lo:hi] and b += x[u, k:k+8] @ W[k:k+8, lo:hi], W = widen(w).
+
+    The eight weight rows are read once for both rows of x.
+    """
+    x0, x1, x2, x3, x4, x5, x6, x7 = x[t, k], x[t, k + 1], x[t, k + 2], x[t, k + 3], \
+        x[t, k + 4], x[t, k + 5], x[t, k + 6], x[t, k + 7]
+    y0, y1, y2, y3, y4, y5, y6, y7 = x[u, k], x[u, k + 1], x[u, k + 2], x[u, k + 3], \
+        x[u, k + 4], x[u, k + 5], x[u, k + 6], x[u, k + 7]
+    r0, r1, r2, r3, r4, r5, r6, r7 = w[k, lo:hi], w[k + 1, lo:hi], w[k + 2, lo:hi], w[k + 3, lo:hi], \
+        w[k + 4, lo:hi], w[k + 5, lo:hi], w[k + 6, lo:hi], w[k + 7, lo:hi]
+    for j in range(hi - lo):
+        v0, v1, v2, v3 = _widen(r0[j]), _widen(r1[j]), _widen(r2[j]), _widen(r3[j])
+        v4, v5, v6, v7 = _widen(r4[j]), _widen(r5[j]), _widen(r6[j]), _widen(r7[j])
+        a[j] += ((x0 * v0 + x1 * v1) + (x2 * v2 + x3 * v3)) + ((x4 * v4 + x5 * v5) + (x6 * v6 + x7 * v7))
+        b[j] += ((y0 * v0 + y1 * v1) + (y2 * v2 + y3 * v3)) + ((y4 * v4 + y5 * v5) + (y6 * v6 + y7 * v7))
+
+
+# Up to this many rows, _linear_rows beats single-threaded BLAS blocks (measured on 2 cores,
+# GPT-2 small's matrices): BLAS repacks the weights for so few rows.
+ROWS_MAX = 64
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+def _linear_rows(x, w, b, scratch, out, accumulate, n_blocks):
+    """out (+)= x @ W + b for a few rows, reading W as stored: float32 or bfloat16 bits.
+
+    x: (T, K), K a multiple of 8; w: (K, N); b: (N,); out: (T, N); scratch: flat float32 of at least (T + 1) * N. Each thread
+    takes a block of columns and streams its part of w eight rows at a time, updating
+    two rows of accumulators per pass: every weight read serves two rows of x (an odd
+    last row is paired with itself, its twin's sums going to a spare row).
+    """
+    T, K = x.shape
+    N = w.shape[1]
+    step = ((N + n_blocks - 1) // n_blocks + 15) // 16 * 16  # whole cache lines per thread
+    rows = T + T % 2
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            lo, hi = min(N, blk * step), min(N, (blk + 1) * step)
+            acc = scratch[rows * lo: rows * hi].reshape(rows, hi - lo)
+            acc[:] = 0.0
+            for k in range(0, K, 8):
+                for t in range(0, T, 2):
+                    _rows_update(x, t, min(t + 1, T - 1), k, w, lo, hi, acc[t], acc[t + 1])
+            for t in range(T):
+                for j in range(hi - lo):
+                    v = acc[t, j] + b[lo + j]
+                    out[t, lo + j] = out[t, lo + j] + v if accumulate else v
+            blk = _claim(nxt)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _head(wte, h, out, n_blocks):
+    """Tied output head: out = h @ wte.T.
+
+    wte: (V, C); h: (R, C); out: (R, V). Each of n_blocks threads streams a block
+    of vocabulary rows: one matrix-vector product for one row, else a product
+    per HEAD_CHUNK of them.
+    """
+    V = wte.shape[0]
+    R = h.shape[0]
+    step = (V + n_blocks - 1) // n_blocks
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
+        scores = np.empty(R * HEAD_CHUNK, np.float32)
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+            if R == 1 and lo < hi:
+                np.dot(wte[lo:hi], h[0], out[0, lo:hi])
+            elif R > 1:
+                for c0 in range(lo, hi, HEAD_CHUNK):
+                    _chunk_scores(h, wte[c0:], c0, min(hi, c0 + HEAD_CHUNK), scores, out)
+            blk = _claim(nxt)
+
+
+# --- compact weights (see compact.py): bfloat16 bits as uint16 -----------------------------------
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+def _gemv_bf16(x, w, b, scratch, out, accumulate, n_blocks):
+    """out (+)= x @ w + b for one token, w bfloat16.
+
+    x: (1, K); w: uint16 (K, N); b: (N,); out: (1, N); scratch: flat float32 of
+    at least n_blocks * N. Each thread streams a block of w's rows.
+    """
+    K, N = w.shape
+    partial = scratch[: n_blocks * N].reshape(n_blocks, N)
+    step = (K + n_blocks - 1) // n_blocks
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            acc = partial[blk]
+            acc[:] = 0.0
+            for k in range(min(K, blk * step), min(K, (blk + 1) * step)):
+                row = w[k]
+                xk = x[0, k]
+                for j in range(N):
+                    acc[j] += xk * _as_float32(np.uint32(row[j]) << 16)
+            blk = _claim(nxt)
+    _reduce(partial, b, out, accumulate)
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def _reduce(partial, b, out, accumulate):
+    """out[0] (+)= b + the sum of partial's rows. partial: (n_blocks, N)."""
+    for j in range(out.shape[1]):
+        s = b[j]
+        for blk in range(partial.shape[0]):
+            s += partial[blk, j]
+        out[0, j] = out[0, j] + s if accumulate else s
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+def _head_compact(wte, scale, h, out, n_blocks):
+    """out = h @ W.T for a compact wte (V, C): bfloat16 bits with scale None, or int8 / packed int4
+    with scales (V, C // GROUP) and h already rounded as the integer formats' inputs are
+    (intkernels._round_rows); h: (R, C); out: (R, V).
+
+    One row of bfloat16: a dot product per vocabulary row, widened in registers. Otherwise
+    each thread widens HEAD_CHUNK vocabulary rows of its block at a time, then BLAS.
+    """
+    V = wte.shape[0]
+    R, C = h.shape
+    step = (V + n_blocks - 1) // n_blocks
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+            if R == 1 and scale is None:
+                for v in range(lo, hi):
+                    row = wte[v]
+                    s = np.float32(0.0)
+                    for c in range(C):
+                        s += _widen(row[c]) * h[0, c]
+                    out[0, v] = s
+            else:
+                _head_widened(wte, scale, h, lo, hi, out)
+            blk = _claim(nxt)
+
+
+@njit(cache=True, nogil=True)
+def _head_widened(wte, scale, h, lo, hi, out):
+    """out[:, lo:hi] = h @ W[lo:hi].T for compact wte: HEAD_CHUNK rows at a time widened, then BLAS."""
+    dense = np.empty((HEAD_CHUNK, h.shape[1]), np.float32)
+    scores = np.empty(h.shape[0] * HEAD_CHUNK, np.float32)
+    for c0 in range(lo, hi, HEAD_CHUNK):
+        c1 = min(hi, c0 + HEAD_CHUNK)
+        _widen_rows(wte, scale, c0, c1, dense)
+        _chunk_scores(h, dense, c0, c1, scores, out)
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def _widen_rows(wte, scale, c0, c1, dense):
+    """dense[:c1 - c0] = float32 values of wte rows c0..c1-1 (times their scales if ``scale``).
+
+    wte: float32 or bfloat16 bits (V, C), or int8 (V, C) or packed int4 (V, C // 2) with
+    scale: (V, C // GROUP), else None; dense: (>= c1 - c0, C).
+    """
+    for v in range(c0, c1):
+        if scale is None:
+            for c in range(wte.shape[1]):
+                dense[v - c0, c] = _widen(wte[v, c])
+        else:
+            for g in range(scale.shape[1]):
+                _widen_group(wte[v], g, scale[v, g], dense[v - c0])
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+def _head_log_softmax(wte, scale, h, targets, logprob, best, n_blocks):
+    """log softmax(h @ W.T) at each row's target, and each row's argmax, with no (R, V) array.
+
+    wte, scale: as _widen_rows takes them; h: (R, C), rounded first for the integer formats;
+    targets: int64 (R,), ids in [0, V) or -1 for a row with none (its logprob is nan); logprob: float64 (R,); best: int64 (R,), the lowest id of the largest logit.
+    Each thread takes a block of the vocabulary in chunks of HEAD_CHUNK rows (widened
+    to float32, then one BLAS product for every row) and keeps, per row, a running max,
+    the sum of exp(logit - max) and the argmax; the blocks are merged at the end:
+    memory is O(R x threads + chunk).
+    """
+    V = wte.shape[0]
+    R, C = h.shape
+    step = (V + n_blocks - 1) // n_blocks
+    peak = np.full((n_blocks, R), -np.inf)  # float64: running max per block and row
+    total = np.zeros((n_blocks, R))          # sum of exp(logit - peak)
+    arg = np.zeros((n_blocks, R), np.int64)
+    hit = np.full(R, np.nan)                 # the target's logit, from the block that holds it
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_blocks):
+        dense = np.empty((HEAD_CHUNK, C), np.float32)
+        scores = np.empty(R * HEAD_CHUNK, np.float32)
+        bits = np.empty(HEAD_CHUNK, np.int32)
+        blk = _claim(nxt)
+        while blk < n_blocks:
+            lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+            for c0 in range(lo, hi, HEAD_CHUNK):
+                c1 = min(hi, c0 + HEAD_CHUNK)
+                _widen_rows(wte, scale, c0, c1, dense)
+                chunk = scores[: R * (c1 - c0)].reshape(R, c1 - c0)
+                np.dot(h, dense[: c1 - c0].T, chunk)
+                for r in range(R):
+                    row = chunk[r]
+                    t = targets[r]
+                    if c0 <= t < c1:
+                        hit[r] = row[t - c0]
+                    j = row.argmax()
+                    if row[j] > peak[blk, r]:  # a new max: rescale what was summed so far
+                        total[blk, r] *= math.exp(peak[blk, r] - row[j])
+                        peak[blk, r], arg[blk, r] = row[j], c0 + j
+                    m = np.float32(peak[blk, r])
+                    for c in range(c1 - c0):
+                        row[c] -= m
+                    _exp_inplace(row, bits)
+                    total[blk, r] += row.sum()
+            blk = _claim(nxt)
+    for r in range(R):
+        top = 0
+        for blk in range(1, n_blocks):
+            if peak[blk, r] > peak[top, r]:
+                top = blk
+        m = peak[top, r]
+        s = 0.0
+        for blk in range(n_blocks):
+            if total[blk, r] > 0.0:
+                s += total[blk, r] * math.exp(peak[blk, r] - m)
+        logprob[r] = hit[r] - (m + math.log(s))
+        best[r] = arg[top, r]
+
+
+@njit(cache=True, nogil=True)
+def _chunk_scores(h, dense, c0, c1, scores, out):
+    """out[:, c0:c1] = h @ dense[:c1 - c0].T: one chunk of the head over several rows.
+    h: (R, C); dense: (HEAD_CHUNK, C) widened wte rows; scores: flat scratch of R * HEAD_CHUNK."""
+    chunk = scores[: h.shape[0] * (c1 - c0)].reshape(h.shape[0], c1 - c0)
+    np.dot(h, dense[: c1 - c0].T, chunk)
+    out[:, c0:c1] = chunk
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _expand_bf16(w, out):
+    """out = float32 values of bfloat16 w. w: uint16 (K, N); out: (K, N)."""
+    K, N = w.shape
+    n_chunks = min(K, ROW_CHUNKS)
+    nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
+    for _ in prange(n_chunks):
+        c = _claim(nxt)
+        while c < n_chunks:
+            for k in range(c * K // n_chunks, (c + 1) * K // n_chunks):
+                for j in range(N):
+                    out[k, j] = _as_float32(np.uint32(w[k, j]) << 16)
+            c = _claim(nxt)
