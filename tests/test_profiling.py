@@ -34,6 +34,23 @@ def test_bench_script(tmp_path):
     assert "prefill" in r.stdout and "decode floor" in r.stdout
 
 
+def test_bench_neighbour(tmp_path):
+    """gpt2numba bench --neighbour: a workload alone and beside a busy loop at nice 0 and 10, with slowdowns."""
+    write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--neighbour", "--model", str(tmp_path / "ckpt"),
+                        "--dtypes", "float32", "int8", "--neighbour-workloads", "decode", "gen8",
+                        "--neighbour-repeat", "1", "--neighbour-steps", "2", "--neighbour-tokens", "2",
+                        "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["neighbour"]
+    assert [(row["workload"], row["dtype"]) for row in rows] == [
+        ("decode", "float32"), ("gen8", "float32"), ("decode", "int8"), ("gen8", "int8")]
+    assert all(set(row["seconds"]) == {"alone", "nice 0", "nice 10"} and min(row["seconds"].values()) > 0
+               for row in rows)
+    assert "slowdown" in r.stdout and "gen8" in r.stdout
+
+
 def test_bench_score(tmp_path):
     """The scoring section through the CLI, on a tiny model with GPT-2's vocabulary (the Ray part decodes and
     re-encodes text); transformers where installed."""

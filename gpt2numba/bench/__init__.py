@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from ..compact import DTYPES
-from . import llama, scoring, standard
+from . import llama, neighbour, scoring, standard
 from .core import machine, wait_for_idle
 
 __all__ = ["main", "wait_for_idle"]
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             g.save_weights(g.random_weights(g.GPT2Config.small(), seed=0), model_dir)
         w = g.load_weights(model_dir)
         report["model"] = str(args.model or "random GPT-2 small (seed 0)")
-        section = scoring if args.score else llama if args.llama else standard
+        section = scoring if args.score else llama if args.llama else neighbour if args.neighbour else standard
         report.update(section.run(args, model_dir, w))
     section.print_report(report)
     return _write(report, args.json)
@@ -89,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="also the short documents through Ray Data on a local cluster (the [ray] extra)")
     p.add_argument("--llama", action="store_true",
                    help="llama.cpp on GGUF files of the same weights instead of the above (the [peers] extra)")
+    neighbour.add_arguments(p)
     return p
 
 
