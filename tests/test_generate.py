@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import gpt2numba as g
@@ -23,12 +23,33 @@ def test_greedy_follows_the_oracle(tiny):
         seq.append(token)
 
 
-@given(z=logit_vectors, k=st.integers(1, 10), seed=st.integers(0, 2**32 - 1))
+# float32 logits with many ties (a few distinct values), and values that the temperature's rounding merges
+tied_logit_vectors = st.lists(st.sampled_from([-2.0, 0.0, 1e-45, 0.5, 1.0, 1.0 + 2**-23, 3.0]), min_size=2,
+                              max_size=30).map(lambda x: np.array(x, np.float32))
+
+
+def k_best(z, k):
+    """top_k's set: the k largest logits as given, equal ones ranked by id (the lower first)."""
+    return set(np.argsort(-z.astype(np.float64), kind="stable")[:k].tolist())
+
+
+@given(z=logit_vectors | tied_logit_vectors, k=st.integers(1, 10), seed=st.integers(0, 2**32 - 1))
+@example(z=np.array([0, 1, 1e-45], np.float32), k=2, seed=0)  # (0 - 1) / 1.5 == (1e-45 - 1) / 1.5 in float64
 def test_top_k_stays_in_the_k_best(z, k, seed):
-    best = set(np.argsort(-z)[:k].tolist())
+    """Catches: ranking after the temperature (its rounding ties 0 and 1e-45, then id 0 wins), and a tie at
+    the k-th place kept by argpartition's whim instead of by the lower id."""
+    best = k_best(z, k)
     sampler = g.Sampler(temperature=1.5, top_k=k)
     rng = np.random.default_rng(seed)
     assert all(sampler(z, [], rng) in best for _ in range(20))
+
+
+def test_top_k_ties_keep_the_lower_ids():
+    """Five equal logits and k = 3: ids 0, 1 and 2, each a third of the time."""
+    z = np.zeros(5, np.float32)
+    rng = np.random.default_rng(0)
+    counts = np.bincount([g.Sampler(top_k=3)(z, [], rng) for _ in range(3000)], minlength=5)
+    assert counts[3:].sum() == 0 and counts.min(initial=3000, where=np.arange(5) < 3) > 800, counts
 
 
 @given(z=logit_vectors, p=st.floats(0.01, 1.0), seed=st.integers(0, 2**32 - 1))
