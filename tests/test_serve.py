@@ -302,7 +302,7 @@ def test_a_full_queue_gets_503(server):
         waiting = [stream({"prompt": f"w{i}", "max_tokens": 2, "ignore_eos": True,
                            "stream_options": {"include_usage": True}}) for i in range(MAX_QUEUE - 1)]
         wait_until(lambda: server.health()["queued"] == MAX_QUEUE, "a full queue")
-        busy = server.post("/v1/completions", {"prompt": "z", "max_tokens": 1})
+        busy = client.post("/v1/completions", json={"prompt": "z", "max_tokens": 1}, timeout=120)  # (no compute)
         assert busy.status_code == 503 and busy.headers["retry-after"], busy.text
         assert busy.json()["error"]["type"] == "server_error"
         held.close()  # the client leaves: its choices leave the batch, and the queued requests are served
