@@ -404,7 +404,8 @@ def test_lm_eval_local_completions(server, tmp_path):
         model="local-completions", tasks=tasks, task_manager=manager, log_samples=True,
         model_args={"base_url": f"{server.url}/v1/completions", "model": "model", "tokenizer_backend": "remote",
                     "auth_token": KEY, "header": {"Authorization": f"Bearer {KEY}"}, "tokenized_requests": True,
-                    "max_length": CONFIG.n_positions, "num_concurrent": 4, "max_retries": 1})
+                    "max_length": CONFIG.n_positions, "num_concurrent": 4, "max_retries": 1,
+                    "timeout": 900})  # seconds for each request, and the remote tokenizer's: CI shares its machine
     # the API model keeps a position for the token it asks to generate, and its rolling windows are one
     # shorter still: n_positions - 2 tokens. The in-process model gets the same windows
     local = lm_eval.simple_evaluate(model="gpt2numba", tasks=tasks,
