@@ -36,8 +36,8 @@ def k_best(z, k):
 @given(z=logit_vectors | tied_logit_vectors, k=st.integers(1, 10), seed=st.integers(0, 2**32 - 1))
 @example(z=np.array([0, 1, 1e-45], np.float32), k=2, seed=0)  # (0 - 1) / 1.5 == (1e-45 - 1) / 1.5 in float64
 def test_top_k_stays_in_the_k_best(z, k, seed):
-    """Catches: ranking after the temperature (its rounding ties 0 and 1e-45, then id 0 wins), and a tie at
-    the k-th place kept by argpartition's whim instead of by the lower id."""
+    """Catches ranking after the temperature: its rounding ties 0 and 1e-45, and then id 0 wins. (A tie at
+    the k-th place kept by np.argpartition's whim is left to the next test: examples here seldom show it.)"""
     best = k_best(z, k)
     sampler = g.Sampler(temperature=1.5, top_k=k)
     rng = np.random.default_rng(seed)
@@ -49,7 +49,7 @@ def test_top_k_ties_keep_the_lower_ids():
     z = np.zeros(19, np.float32)
     z[18] = 1.0
     rng = np.random.default_rng(0)
-    counts = np.bincount([g.Sampler(top_k=3)(z, [], rng) for _ in range(3000)], minlength=19)
+    counts = np.bincount([g.Sampler(top_k=3)(z, [], rng) for _ in range(500)], minlength=19)
     assert set(np.flatnonzero(counts).tolist()) == {0, 1, 18}, counts
 
 
