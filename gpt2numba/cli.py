@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", metavar="KEY",
                        help="require Authorization: Bearer KEY (default: $GPT2NUMBA_API_KEY, else none)")
     serve.add_argument("--model-name", metavar="NAME", help="the id in /v1/models (default: the checkpoint's name)")
+    serve.add_argument("--shutdown-grace", type=_at_least(0), default=5, metavar="SECONDS",
+                       help="on Ctrl-C or SIGTERM, how long requests in flight may take to finish (default 5)")
 
     # bench has a parser of its own (gpt2numba.bench): everything after the word goes to it untouched
     commands.add_parser("bench", help="the benchmark against transformers (gpt2numba bench --help)")
@@ -237,7 +239,8 @@ def _serve(args) -> int:
     w, path, _ = resolve_model(args.model, args.dtype)
     name = args.model_name or (Path(args.model).name.removesuffix(".safetensors") if args.model else "gpt2")
     run(w, load_tokenizer(path), host=args.host, port=args.port, model_name=name, max_batch=args.max_batch,
-        max_queue=args.max_queue, api_key=args.api_key or os.environ.get("GPT2NUMBA_API_KEY"))
+        max_queue=args.max_queue, api_key=args.api_key or os.environ.get("GPT2NUMBA_API_KEY"),
+        shutdown_grace=args.shutdown_grace)
     return 0
 
 

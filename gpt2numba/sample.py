@@ -30,6 +30,11 @@ class Sampler:
     cut to the top_k most likely and then to the smallest set whose probability
     reaches top_p. repetition_penalty > 1 makes tokens already in the sequence
     less likely (a positive logit is divided by it, a negative one multiplied).
+
+    top_k ranks the logits as given (after the repetition penalty, before the
+    temperature, in float64): the temperature cannot reorder them, but its
+    rounding could make two different logits equal. Equal logits are ranked by
+    id, the lower first, so a tie at the k-th place keeps the lower id.
     """
 
     temperature: float = 1.0
@@ -58,22 +63,32 @@ class Sampler:
             z[seen] = np.where(z[seen] > 0, z[seen] / self.repetition_penalty, z[seen] * self.repetition_penalty)
         if self.temperature == 0:
             return int(np.argmax(z))
+        cut = self.top_k is not None or self.top_p is not None
+        ranked = z.copy() if self.top_k is not None else None  # top_k ranks these: see the class's docstring
         with np.errstate(over="ignore"):  # <= 0: a tiny temperature gives -inf, never nan
             z = (z - z.max()) / self.temperature
-        cut = self.top_k is not None or self.top_p is not None
-        candidates = self.candidates(z) if cut else None  # (with no cut, no index array: it cost 0.3 ms)
+        candidates = self.candidates(z, ranked) if cut else None  # (with no cut, no index array: it cost 0.3 ms)
         weights = np.exp(z[candidates] if cut else z, out=None if cut else z)  # z <= 0: exp(z) <= 1, unnormalised
         cumulative = np.cumsum(weights, out=weights)
         pick = min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")), len(weights) - 1)
         return int(candidates[pick]) if cut else pick
 
-    def candidates(self, z: np.ndarray) -> np.ndarray:
-        """Ids allowed by top_k and top_p for tempered logits z: most likely first, or all in id order."""
+    def candidates(self, z: np.ndarray, ranked: np.ndarray | None = None) -> np.ndarray:
+        """Ids allowed by top_k and top_p for tempered logits z: most likely first, or all in id order.
+
+        ranked: what top_k ranks, (vocab,) in the same order as z: the logits before the
+        temperature (default: z itself). Equal values are ranked by id, the lower first.
+        """
         if self.top_k is None and self.top_p is None:
             return np.arange(z.size)  # no cut, no sort: a full sort costs more than the rest of sampling
+        ranked = z if ranked is None else ranked
         if self.top_k is not None and self.top_k < z.size:
-            best = np.argpartition(-z, self.top_k - 1)[: self.top_k]
-            order = best[np.lexsort((best, -z[best]))]  # most likely first, ties by id
+            negated = -ranked
+            best = np.argpartition(negated, self.top_k - 1)[: self.top_k]  # a tie at the k-th: any of them
+            kth = negated[best].max()
+            above = best[negated[best] < kth]  # then, of the values equal to the k-th, the lowest ids
+            best = np.concatenate([above, np.flatnonzero(negated == kth)[: self.top_k - above.size]])
+            order = best[np.lexsort((best, negated[best]))]  # most likely first, ties by id
         else:
             order = np.argsort(-z, kind="stable")
         if self.top_p is not None:

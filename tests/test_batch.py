@@ -115,6 +115,34 @@ def test_seeded_sampling_ignores_the_rest_of_the_batch(tiny, rng):
     assert everything != tokens_by_prompt(g.generate_batch(prompts, tiny, **{**options, "seed": 12}))
 
 
+def test_each_prompts_stream_is_seeded_with_seed_and_index(tiny, rng):
+    """The documented derivation: prompt i samples from np.random.default_rng([seed, i]). Replayed here
+    one prompt at a time with prefill, decode_step and that stream. Catches: seed + i, one stream for
+    every prompt, a stream from the seed alone (as generate's)."""
+    prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (3, 9, 1)]
+    sampler = g.Sampler(temperature=2.0, top_k=100)
+    got = tokens_by_prompt(g.generate_batch(prompts, tiny, max_new_tokens=6, temperature=2.0, top_k=100,
+                                            seed=7, stop_at_eos=False))
+    for i, prompt in enumerate(prompts):
+        stream, ids, mc = np.random.default_rng([7, i]), list(prompt), g.ModelCache(TINY)
+        logits = g.prefill(ids, tiny, mc)
+        for _ in range(6):
+            ids.append(sampler(logits, ids, stream))
+            logits = g.decode_step(ids[-1], tiny, mc)
+        assert got[i] == ids[len(prompt):], i
+
+
+@given(seed=st.integers(0, 2**32 - 2))
+@settings(max_examples=4)
+def test_streams_of_neighbouring_seeds_do_not_collide(tiny, seed):
+    """Prompt 1 under seed s and prompt 0 under seed s + 1, the same prompt: different tokens (a derivation
+    from seed + i would give them one stream)."""
+    options = dict(max_new_tokens=8, temperature=2.0, stop_at_eos=False)
+    second = tokens_by_prompt(g.generate_batch([[5, 6], [5, 6]], tiny, seed=seed, **options))[1]
+    first_of_next = tokens_by_prompt(g.generate_batch([[5, 6]], tiny, seed=seed + 1, **options))[0]
+    assert second != first_of_next
+
+
 def test_each_sequence_stops_on_its_own(tiny):
     """The stop rule: <|endoftext|> ends its own sequence only, the others go on to max_new_tokens, and
     every prompt is served (the logits here do not depend on the input: refills are tested above)."""

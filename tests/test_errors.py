@@ -1,5 +1,7 @@
 """Every bad input raises the project's own error, names the problem, and changes nothing."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -193,3 +195,112 @@ def test_weights_do_not_freeze_the_callers_arrays(tiny):
     w = dataclasses.replace(tiny, wte=mine)
     mine[0, 0] = 1.0  # still writable
     assert not w.wte.flags.writeable
+
+
+# --- ids past the end of the vocabulary, at every entry point that takes ids ------------------------------
+
+V = 100  # every integer dtype can hold vocab_size itself: each can name the first id past the end of wte
+SMALL_VOCAB = dataclasses.replace(TINY, vocab_size=V)
+INT_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+PYTHON_BAD = [V, -1, 2**31, 2**63, 2**64 - 1, 2**70, -2**70]
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    return g.random_weights(SMALL_VOCAB, seed=3)
+
+
+def bad_ids(dtype):
+    """The ids of this dtype outside [0, V): V, -1, and the dtype's extremes."""
+    info = np.iinfo(dtype)
+    return sorted({v for v in (V, V + 1, -1, info.max, info.min) if info.min <= v <= info.max and not 0 <= v < V})
+
+
+def sequence_forms(dtype, bad):
+    """A bad id in each form a sequence of ids can take: a list of NumPy scalars, an array of the dtype."""
+    return [[1, dtype(bad)], np.array([1, bad], dtype)]
+
+
+# entry point -> a call with one sequence of ids that must be refused (and the cache it must leave empty)
+SEQUENCE_ENTRIES = {
+    "prefill": lambda w, ids, mc: g.prefill(ids, w, mc),
+    "prefill_batch": lambda w, ids, mc: g.prefill_batch([[1], ids], w, [g.ModelCache(w.config), mc]),
+    "score": lambda w, ids, mc: g.score(ids, w),
+    "score_batch": lambda w, ids, mc: g.score_batch([[1, 2], ids], w),
+    "generate": lambda w, ids, mc: list(g.generate(ids, w, max_new_tokens=1, cache=mc)),
+    "generate_batch": lambda w, ids, mc: list(g.generate_batch([[1], ids], w, max_new_tokens=1)),
+}
+TOKEN_ENTRIES = {
+    "decode_step": lambda w, token, mc: g.decode_step(token, w, mc),
+    "decode_batch": lambda w, token, mc: g.decode_batch([1, token], w, [g.ModelCache(w.config), mc]),
+    "decode_batch of an array": lambda w, token, mc: g.decode_batch(
+        np.array([1, token], type(token)), w, [g.ModelCache(w.config), mc]),
+}
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES, ids=lambda d: d.__name__)
+@pytest.mark.parametrize("entry", SEQUENCE_ENTRIES)
+def test_ids_past_the_vocabulary_are_refused(small_vocab, entry, dtype):
+    """vocab_size, -1 and the dtype's extremes, in a list of NumPy scalars, an array of every integer dtype,
+    a 0-d array, and as Python ints. Catches: `values > vocab_size` for arrays (id V reads past the end of
+    wte: no kernel checks bounds), a check made after a cast that wraps (uint64's 2**64 - 1 to -1, or a
+    cast to a narrower type), a dtype left out of the check."""
+    call = SEQUENCE_ENTRIES[entry]
+    mc = g.ModelCache(SMALL_VOCAB)
+    for bad in bad_ids(dtype):
+        for ids in sequence_forms(dtype, bad):
+            with pytest.raises(g.TokenError, match=rf"{bad} .*outside \[0, {V}\)"):
+                call(small_vocab, ids, mc)
+        with pytest.raises((g.TokenError, g.TokenTypeError)):
+            call(small_vocab, np.array(bad, dtype), mc)  # 0-d: not a sequence of ids
+    for bad in PYTHON_BAD if dtype is np.int64 else []:
+        with pytest.raises(g.TokenError, match=rf"{bad} .*outside \[0, {V}\)"):
+            call(small_vocab, [1, bad], mc)
+    assert mc.length == 0 and (mc.lengths == 0).all()
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES, ids=lambda d: d.__name__)
+@pytest.mark.parametrize("entry", TOKEN_ENTRIES)
+def test_token_ids_past_the_vocabulary_are_refused(small_vocab, entry, dtype):
+    """decode_step's and decode_batch's ids: vocab_size, -1 and the dtype's extremes as NumPy scalars (and in
+    an array of the dtype, for decode_batch), a 0-d array, and as Python ints."""
+    call = TOKEN_ENTRIES[entry]
+    mc = g.ModelCache(SMALL_VOCAB)
+    for bad in bad_ids(dtype):
+        with pytest.raises(g.TokenError, match=rf"{bad} is outside \[0, {V}\)"):
+            call(small_vocab, dtype(bad), mc)
+        if "array" not in entry:
+            with pytest.raises((g.TokenError, g.TokenTypeError)):
+                call(small_vocab, np.array(bad, dtype), mc)
+    for bad in PYTHON_BAD if dtype is np.int64 and "array" not in entry else []:
+        with pytest.raises(g.TokenError, match=rf"{bad} is outside \[0, {V}\)"):
+            call(small_vocab, bad, mc)
+    assert mc.length == 0 and (mc.lengths == 0).all()
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES, ids=lambda d: d.__name__)
+def test_the_last_id_of_every_dtype_is_taken(small_vocab, dtype):
+    """V - 1 and 0 in every dtype give what the same Python ints give. Catches a check that refuses the
+    last id (`>= vocab_size - 1`) or any dtype it should take."""
+    ids = np.array([V - 1, 0, 7], dtype)
+    expected = g.prefill([V - 1, 0, 7], small_vocab, g.ModelCache(SMALL_VOCAB))
+    np.testing.assert_array_equal(g.prefill(ids, small_vocab, g.ModelCache(SMALL_VOCAB)), expected)
+    np.testing.assert_array_equal(g.prefill(list(ids), small_vocab, g.ModelCache(SMALL_VOCAB)), expected)
+    mc = g.ModelCache(SMALL_VOCAB)
+    g.prefill(ids[:2], small_vocab, mc)
+    np.testing.assert_allclose(g.decode_step(dtype(7), small_vocab, mc), expected, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(g.score(ids, small_vocab).logprobs, g.score([V - 1, 0, 7], small_vocab).logprobs)
+
+
+@pytest.mark.parametrize("bad", [50257, 50258, -1, 2**31, 2**63, 2**64, 10**30, -2**63])
+def test_the_servers_id_prompts_past_the_vocabulary_get_400(bad):
+    """The server's prompts of token ids (JSON integers, so Python ints of any size): one list, or one of
+    several lists. Checked in-process: parse_completion is what the route calls."""
+    from gpt2numba import serve
+
+    tok = g.load_tokenizer()
+    for prompt in ([1, bad], [[1], [2, bad]]):
+        with pytest.raises(serve.ApiError, match=rf"{bad} is not in \[0, 50257\)") as e:
+            serve.parse_completion({"prompt": prompt, "max_tokens": 1}, tok, 1024, 50257)
+        assert e.value.status == 400 and e.value.param == "prompt"
+    assert serve.parse_completion({"prompt": [1, 50256]}, tok, 1024, 50257).prompts == [[1, 50256]]

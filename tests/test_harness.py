@@ -122,6 +122,45 @@ def test_generate_until(evaluated):
         assert got[d["prompt"]] == tok.decode(tokens).split("\n")[0].split(".")[0]
 
 
+def test_is_greedy_is_the_argmax_of_every_continuation_token(tmp_path):
+    """In-process, on the model's own requests (context ids, continuation ids): is_greedy is True exactly
+    when each continuation token is the oracle's argmax after the tokens before it. Catches: any() for
+    all(), only the last token looked at, the window shifted by one into the context."""
+    from gpt2numba.harness import GPT2NumbaLM
+
+    w = g.random_weights(CONFIG, seed=4)
+    write_dir(w, tmp_path)
+    lm = GPT2NumbaLM(model=str(tmp_path))
+    context = [464, 3290, 286, 1204]
+
+    def argmax(prefix, rank=0):
+        return int(np.argsort(-g.recompute_logits(prefix, w), kind="stable")[rank])
+
+    def greedy_after(prefix, n):
+        out = []
+        for _ in range(n):
+            out.append(argmax(prefix + out))
+        return out
+
+    greedy = greedy_after(context, 3)
+    first_off = [argmax(context, 1)]
+    first_off += greedy_after(context + first_off, 2)  # the first is second best, the rest follow it greedily
+    cases = [(greedy, True), (greedy[:1], True), (greedy[:2] + [argmax(context + greedy[:2], 1)], False),
+             (first_off, False), (greedy[:1] + [argmax(context + greedy[:1], 1)] + greedy[2:], False)]
+    results = lm._loglikelihood_tokens([(("", ""), context, cont) for cont, _ in cases])
+    assert [is_greedy for _, is_greedy in results] == [expected for _, expected in cases]
+    for (cont, _), (logprob, _) in zip(cases, results):
+        assert logprob == pytest.approx(continuation_logprob_of_ids(w, context, cont), abs=1e-3)
+
+
+def continuation_logprob_of_ids(w, context, continuation):
+    whole = context + continuation
+    logits = g.recompute_all_logits(whole[:-1], w)
+    z = logits - logits.max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return sum(logp[i - 1, whole[i]] for i in range(len(context), len(whole)))
+
+
 def test_max_length_is_checked(tmp_path):
     from gpt2numba.harness import GPT2NumbaLM
 

@@ -103,6 +103,21 @@ def test_sliding_windows_follow_the_hf_guide(tiny, rng, stride):
     assert s.n_tokens == len(ids) - 1 - unscored
 
 
+def test_perplexity_averages_over_the_scored_tokens_only(tiny, rng):
+    """stride == n_positions: tokens 64 and 128 start a window and are not scored (nan). nll sums the 189
+    scored tokens' -log p and perplexity is exp(nll / 189), against the guide's loop. Catches: dividing
+    by every position (191), nan summed into nll, n_tokens counting the nan."""
+    ids = rng.integers(0, TINY.vocab_size, 3 * TINY.n_positions)
+    s = g.score(ids, tiny, stride=TINY.n_positions)
+    scored = hf_guide_reference(ids, tiny, TINY.n_positions)
+    scored = scored[np.isfinite(scored)]
+    assert len(scored) == len(ids) - 3 and s.n_tokens == len(scored)
+    assert s.nll == pytest.approx(-scored.sum(), abs=1e-3)
+    assert s.perplexity == pytest.approx(np.exp(-scored.mean()), rel=1e-5)
+    by_hand = g.Score(np.array([-1.0, np.nan, -2.0, -3.0, np.nan]), np.zeros(5, bool))  # 3 scored: 6 nats
+    assert (by_hand.n_tokens, by_hand.nll, by_hand.perplexity) == (3, 6.0, pytest.approx(np.exp(2.0)))
+
+
 def test_windows_end_where_the_sequence_ends(tiny, rng):
     """A length that no stride divides: the last window is shorter."""
     check_windows(rng.integers(0, TINY.vocab_size, 2 * TINY.n_positions + 5), tiny, 24)

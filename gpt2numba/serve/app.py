@@ -382,11 +382,11 @@ def _append_logprobs(choice: dict, start: int, logprobs: dict | None) -> None:
 
 
 def run(w: GPT2Weights, tokenizer: Tokenizer, *, host: str = "127.0.0.1", port: int = 8000,
-        **options) -> None:
+        shutdown_grace: int = 5, **options) -> None:
     """Serve until Ctrl-C or SIGTERM: uvicorn stops taking connections, lets requests in flight finish
-    (up to a few seconds), then the engine fails what is left and stops."""
+    (up to shutdown_grace seconds), then the engine fails what is left and stops."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     app = create_app(w, tokenizer, **options)
-    uvicorn.run(app, host=host, port=port, access_log=False, timeout_graceful_shutdown=5, log_level="info")
+    uvicorn.run(app, host=host, port=port, access_log=False, timeout_graceful_shutdown=shutdown_grace, log_level="info")
