@@ -14,13 +14,14 @@ from checkpoints import write_dir
 from conftest import TINY, TINY_GPT2
 
 ROOT = Path(__file__).resolve().parents[1]
+NO_WAIT = ["--idle-patience", "0"]  # a smoke test does not wait for a quiet machine
 
 
 def test_bench_script(tmp_path):
     write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "bench.py"), "--model", str(tmp_path / "ckpt"),
-                        "--lengths", "4", "16", "--contexts", "4", "--repeat", "2", "--steps", "3",
+                        *NO_WAIT, "--lengths", "4", "16", "--contexts", "4", "--repeat", "2", "--steps", "3",
                         "--bandwidth-mib", "8", "--no-transformers", "--accuracy-prompts", "2",
                         "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
@@ -39,7 +40,7 @@ def test_bench_neighbour(tmp_path):
     write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--neighbour", "--model", str(tmp_path / "ckpt"),
-                        "--dtypes", "float32", "int8", "--neighbour-workloads", "decode", "gen8",
+                        *NO_WAIT, "--dtypes", "float32", "int8", "--neighbour-workloads", "decode", "gen8",
                         "--neighbour-repeat", "1", "--neighbour-steps", "2", "--neighbour-tokens", "2",
                         "--json", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr
@@ -57,7 +58,7 @@ def test_bench_score(tmp_path):
     write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")
     out = tmp_path / "score.json"
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--score", "--model", str(tmp_path / "ckpt"),
-                        "--threads", "1", "--score-long", "150", "--score-stride", "32", "--score-docs", "6",
+                        *NO_WAIT, "--threads", "1", "--score-long", "150", "--score-stride", "32", "--score-docs", "6",
                         "--score-doc-tokens", "10", "40", "--score-repeat", "2", "--ray", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -92,7 +93,8 @@ def _bench_throughput(tmp_path, *extra):
     write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "bench.py"), "--model", str(tmp_path / "ckpt"),
-                        "--lengths", "4", "--contexts", "4", "--repeat", "2", "--steps", "2", "--bandwidth-mib", "8",
+                        *NO_WAIT, "--lengths", "4", "--contexts", "4", "--repeat", "2", "--steps", "2",
+                        "--bandwidth-mib", "8",
                         "--batch-sizes", "1", "3", "--batch-context", "4", "--batch-steps", "2", "--no-processes",
                         "--json", str(out), *extra],
                        capture_output=True, text=True, timeout=600)
@@ -145,7 +147,7 @@ def test_bench_llama(tmp_path):
     write_dir(g.random_weights(dataclasses.replace(TINY_GPT2, n_positions=1024), seed=0), tmp_path / "ckpt")
     out = tmp_path / "llama.json"
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--llama", "--model", str(tmp_path / "ckpt"),
-                        "--lengths", "16", "--contexts", "8", "--repeat", "2", "--steps", "3",
+                        *NO_WAIT, "--lengths", "16", "--contexts", "8", "--repeat", "2", "--steps", "3",
                         "--accuracy-prompts", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
@@ -162,9 +164,11 @@ def test_serve_load_script(tmp_path):
     out = tmp_path / "load.json"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "serve_load.py"), "--model", str(tmp_path / "ckpt"),
                         "--concurrency", "1", "3", "--prompt-tokens", "8", "--max-tokens", "5", "--rounds", "1",
-                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+                        "--neighbour", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
-    three = report["concurrency"]["3"]
-    assert three["requests"] == 3 and three["tokens"] == 15 and three["tpot_ms"]["p50"] > 0
+    for levels in (report["concurrency"], report["neighbour"]):
+        three = levels["3"]
+        assert three["requests"] == 3 and three["tokens"] == 15 and three["tpot_ms"]["p50"] > 0
     assert report["in_process_ms"]["decode_step_ms"] > 0 and "not streamed" in r.stdout
+    assert "beside it over quiet: N=1" in r.stdout

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from ..compact import DTYPES
-from . import llama, neighbour, scoring, standard
+from . import core, llama, neighbour, scoring, standard
 from .core import machine, wait_for_idle
 
 __all__ = ["main", "wait_for_idle"]
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import gpt2numba as g
 
+    core.IDLE_PATIENCE_S = args.idle_patience
     g.set_threads(args.threads)
     report = {"threads": args.threads, "machine": machine()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-transformers", action="store_true", help="only gpt2numba and the floors")
     p.add_argument("--no-processes", action="store_true", help="skip cold start and peak memory")
     p.add_argument("--json", type=Path, help="write every figure here")
+    p.add_argument("--idle-patience", type=float, default=30.0, metavar="SECONDS",
+                   help="before each timed run, wait up to this long for other processes to go idle")
     scoring = p.add_argument_group("scoring", "gpt2numba bench --score runs this section alone (float32)")
     scoring.add_argument("--score", action="store_true", help="the scoring benchmark instead of the above")
     scoring.add_argument("--score-long", type=int, default=4096, metavar="TOKENS", help="the long document")

@@ -297,11 +297,15 @@ class Load:
         return total
 
 
-def wait_for_idle(threshold=0.1, patience_s=30.0):
-    """Wait (up to patience_s) until others use under ``threshold`` of the CPU over half a second."""
+IDLE_PATIENCE_S = 30.0  # gpt2numba bench --idle-patience
+
+
+def wait_for_idle(threshold=0.1, patience_s=None):
+    """Wait (up to patience_s, default ``IDLE_PATIENCE_S``) until others use under ``threshold`` of the CPU
+    over half a second. The figures report the others' share whether or not the wait succeeded."""
     if not os.path.exists("/proc/stat"):
         return
-    deadline = time.monotonic() + patience_s
+    deadline = time.monotonic() + (IDLE_PATIENCE_S if patience_s is None else patience_s)
     while time.monotonic() < deadline:
         (b0, t0) = _busy_jiffies()
         time.sleep(0.5)
