@@ -12,6 +12,8 @@ aggregate tokens/s (all tokens over the level's wall time), time to first token
 and time per output token (after the first), p50 and p95; /health's latency while
 the level runs. Before the server starts, the same decode steps in-process
 (decode_step at the same context) give the floor for HTTP and JSON overhead at N = 1.
+With --neighbour, every level runs again beside a busy loop (`python -c 'while True: pass'`,
+nice 0) and the table gives each level's TPOT p95 beside it over its quiet value.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--llama", action="store_true",
                    help="then the same load on llama.cpp's server (llama-cpp-python[server]) on an F32 GGUF of the "
                    "same weights")
+    p.add_argument("--neighbour", action="store_true", help="then every level again beside a busy loop")
     p.add_argument("--json", type=Path, help="write every figure here")
     args = p.parse_args(argv)
     import httpx  # noqa: F401  (fails early without the [serve] extra)
@@ -58,6 +61,8 @@ def main(argv=None) -> int:
             url, server = _start(model, args, Path(tmp))
         try:
             report["concurrency"] = _levels(url, args)
+            if args.neighbour:
+                report["neighbour"] = _beside_busy_loop(url, args)
         finally:
             if server:
                 server.terminate()
@@ -113,6 +118,16 @@ def _start(model: Path, args, tmp: Path):
 def _levels(url: str, args, alive: str = "/health") -> dict:
     """Every --concurrency level against the server at url; ``alive``: the path polled meanwhile."""
     return {n: asyncio.run(_level(url, n, args, alive)) for n in args.concurrency}
+
+
+def _beside_busy_loop(url: str, args) -> dict:
+    """The levels again while a plain Python busy loop holds a core (issue: a busy machine)."""
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        return _levels(url, args)
+    finally:
+        loop.kill()
+        loop.wait()
 
 
 def _llama_levels(model: Path, args, tmp: Path) -> dict:
@@ -250,6 +265,11 @@ def _print(r):
         whole = one["whole_request_ms"]["p50"]
         print(f"N = 1, not streamed: {whole:.0f} ms a request over HTTP against {ours['request_ms']:.0f} ms for "
               f"the same prefill and decode steps in-process: {100 * (whole / ours['request_ms'] - 1):+.1f}%")
+    if "neighbour" in r:
+        print("\nthe same beside a busy loop (nice 0):")
+        _table(r["neighbour"])
+        print("TPOT p95 beside it over quiet: " + ", ".join(
+            f"N={n} {o['tpot_ms']['p95'] / levels[n]['tpot_ms']['p95']:.2f}x" for n, o in r["neighbour"].items()))
     if "llama_cpp" in r:
         theirs = r["llama_cpp"]
         print(f"\nllama.cpp's server ({theirs['version']}, python -m llama_cpp.server), an F32 GGUF of the same "
