@@ -5,11 +5,13 @@ Every parallel kernel cuts its work into the same chunks whatever the thread cou
 threads, and every threading layer, must give the same bits.
 """
 
+import concurrent.futures
 import json
 import subprocess
 import sys
 
 import numba
+import numpy as np
 import pytest
 
 import gpt2numba as g
@@ -20,9 +22,10 @@ from conftest import TINY
 pytestmark = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
 
 # A prompt past kernels.SERIAL_ROWS (the chunked elementwise kernels) and past ROWS_MAX
-# and INT_ROWS_MAX (the BLAS paths), a ragged batch, and one decode step.
+# and INT_ROWS_MAX (the BLAS paths), one past 256 (blocks of tokens, not of weights),
+# a ragged batch, and one decode step.
 _SCRIPT = """
-import hashlib, json, sys
+import dataclasses, hashlib, json, sys
 import numpy as np
 import gpt2numba as g
 sys.path.insert(0, 'tests')
@@ -32,6 +35,9 @@ for dtype in ("float32", "bfloat16", "int8", "int4"):
     w = g.random_weights(TINY, seed=1, dtype=dtype)
     mc = g.ModelCache(TINY)
     rows = [g.prefill(np.arange(1, 60) * 7 % 512, w, mc, logits="all"), g.decode_step(3, w, mc)[None]]
+    long = dataclasses.replace(TINY, n_positions=300)
+    rows.append(g.prefill(np.arange(300) * 5 % 512, g.random_weights(long, seed=1, dtype=dtype), g.ModelCache(long),
+                          logits="all"))
     caches = [g.ModelCache(TINY) for _ in range(3)]
     rows.append(g.prefill_batch([[5], [1, 2, 3], list(range(9, 30))], w, caches))
     rows.append(g.decode_batch([4, 5, 6], w, caches))
@@ -93,3 +99,24 @@ def test_chunks_do_not_follow_the_thread_count(monkeypatch):
     finally:
         g.set_threads(before)
     assert seen == [forward.MIN_CHUNKS, forward.MIN_CHUNKS]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_python_threads_sharing_weights_each_get_their_own_results(dtype):
+    """Several Python threads running passes at once on one set of weights (the server's engine
+    beside a caller, say): each result is what the same call gives alone."""
+    w = g.random_weights(TINY, seed=3, dtype=dtype)
+
+    def run(prompt):
+        mc = g.ModelCache(TINY)
+        rows = [g.prefill(prompt, w, mc)]
+        for _ in range(3):
+            rows.append(g.decode_step(int(rows[-1].argmax()), w, mc))
+        return np.stack(rows)
+
+    prompts = [np.arange(n) * 11 % 512 for n in (5, 17, 40, 59)] * 2
+    alone = [run(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(run, prompts))
+    for a, b in zip(alone, together):
+        np.testing.assert_array_equal(a, b)
