@@ -30,6 +30,17 @@ def record_diff(label: str, diff: float) -> None:
     _max_diffs.append((label, diff))
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist, a worker hands its comparisons to the controller, which prints the summary."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["gpt2numba_diffs"] = _max_diffs
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _max_diffs.extend(tuple(pair) for pair in getattr(node, "workeroutput", {}).get("gpt2numba_diffs", []))
+
+
 def pytest_terminal_summary(terminalreporter):
     if _max_diffs:
         worst = max(_max_diffs, key=lambda p: p[1])
