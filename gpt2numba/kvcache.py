@@ -82,10 +82,7 @@ class ModelCache:
         max_len, CacheFullError when max_len < length; this cache is unchanged either way.
         """
         length = self._checked_length(self, length)
-        max_len = self.max_len if max_len is None else max_len
-        if checks.is_integer(max_len) and length > max_len:
-            raise CacheFullError(f"a fork of {length} positions does not fit max_len={max_len}")
-        mc = ModelCache(self.config, max_len)
+        mc = ModelCache(self.config, self.max_len if max_len is None else max_len)  # (checks max_len)
         mc.copy_prefix(self, length)
         return mc
 
