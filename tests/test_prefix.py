@@ -119,19 +119,31 @@ def test_bad_fork_calls_change_nothing(tiny, call, error, match):
     assert_unchanged(dst, before[1])
 
 
-@given(length=st.one_of(st.integers(-50, -1), st.integers(6, 100), st.floats(allow_nan=False), st.text(max_size=2)),
+@given(length=st.one_of(st.none(), st.integers(0, 6), st.integers(-50, 100), st.floats(allow_nan=False),
+                        st.text(max_size=2)),
        max_len=st.one_of(st.none(), st.integers(-5, 100)))
 def test_every_bad_fork_leaves_the_source(tiny, length, max_len):
-    """Lengths outside [0, length] (and any max_len): refused, the source bit for bit as it was."""
+    """Any length and max_len: a fork never changes its source; a copy_prefix that is refused (a bad
+    length, or one that does not fit the 3 positions of the cache copied into) changes neither cache,
+    and one that is not refused fills exactly those positions."""
     src, dst = g.ModelCache(TINY, max_len=8), g.ModelCache(TINY, max_len=3)
     g.prefill([1, 2, 3, 4, 5], tiny, src)
+    g.prefill([7, 8], tiny, dst)
     before = state(src), state(dst)
-    with pytest.raises(g.GPT2NumbaError):
-        src.fork(length, max_len=max_len)
-    with pytest.raises(g.GPT2NumbaError):
-        dst.copy_prefix(src, length)
+    try:
+        fork = src.fork(length, max_len=max_len)
+        assert fork.length == (5 if length is None else length)
+    except g.GPT2NumbaError:
+        pass
     assert_unchanged(src, before[0])
-    assert_unchanged(dst, before[1])
+    try:
+        dst.copy_prefix(src, length)
+    except g.GPT2NumbaError:
+        assert_unchanged(dst, before[1])
+    else:
+        assert dst.length == length and (dst.lengths == length).all()
+        np.testing.assert_array_equal(dst.keys(), src.k[:, :, :length])
+    assert_unchanged(src, before[0])
 
 
 # --- n samples, one prefill --------------------------------------------------------------------------
@@ -217,11 +229,13 @@ def test_bad_n(tiny, n):
 
 @st.composite
 def shared_requests(draw):
-    """Contexts, each with a few continuations (some of which begin alike), and a few loose sequences."""
+    """Contexts, each with a few continuations (some of which begin alike), and a few loose sequences.
+    The first context is long enough to be shared (SHARED_MIN) and has at least two continuations."""
     seqs, counts = [], []
-    for _ in range(draw(st.integers(1, 3))):
-        context, lead = draw(ids(1, 40)), draw(st.sampled_from([[], [7], [7, 9, 9]]))
-        for _ in range(draw(st.integers(1, 5))):
+    for n in range(draw(st.integers(1, 3))):
+        context = draw(ids(scoring.SHARED_MIN + 1 if n == 0 else 1, 40))
+        lead = draw(st.sampled_from([[], [7], [7, 9, 9]]))
+        for _ in range(draw(st.integers(2 if n == 0 else 1, 5))):
             ending = lead + draw(ids(1, 12))
             seq = (context + ending)[-TINY.n_positions:]
             seqs.append(np.array(seq, np.int64))
@@ -248,6 +262,7 @@ def test_grouped_scoring_equals_whole_pairs(tiny, requests, batch_rows):
     the last member's cache taken before the others forked it, context scores cut at the wrong row."""
     seqs, counts = requests
     grouped = scoring._score_ends(seqs, counts, tiny, batch_rows=batch_rows)
+    assert any(len(members) > 1 for _, members in scoring._groups(seqs))  # (what this test is about)
     for seq, count, (logprobs, greedy) in zip(seqs, counts, grouped):
         want_logprobs, want_greedy = whole(seq, count, tiny)
         assert logprobs.shape == (count,)
