@@ -3,6 +3,7 @@
 from .config import GPT2Config
 from .errors import (
     BatchError,
+    CacheError,
     CacheFullError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -35,7 +36,7 @@ __all__ = [
     "prefill", "decode_step", "prefill_batch", "decode_batch", "embed_token", "run_prefill", "recompute_logits", "recompute_all_logits",
     "generate", "generate_text", "generate_batch", "generate_text_batch",
     "Score", "score", "score_batch", "score_text", "perplexity", "Sampler", "load_tokenizer", "Tokenizer", "set_threads", "get_threads",
-    "GPT2NumbaError", "BatchError", "TokenError", "TokenTypeError", "CacheFullError",
+    "GPT2NumbaError", "BatchError", "TokenError", "TokenTypeError", "CacheError", "CacheFullError",
     "ConfigError", "CheckpointError", "CheckpointNotFoundError", "SamplingError",
 ]
 __version__ = "0.1.0"

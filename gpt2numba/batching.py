@@ -5,6 +5,10 @@ others' next tokens (a one-token "prompt" is a decode row, so prefill_batch
 serves both). It leaves when it finishes, or when its owner removes it. Used by
 generate_batch (a fixed list of prompts) and by the server (requests that come
 and go); the caller checks prompts and settings first.
+
+Sequences that start from one prompt (n samples of it) share a SharedPrompt: the
+first of them to run prefills the prompt, the others copy its cache's rows
+(ModelCache.copy_prefix) and sample their first token from the same logits.
 """
 
 from __future__ import annotations
@@ -19,6 +23,22 @@ from .tokenizer import EOT_ID
 from .weights import GPT2Weights
 
 
+class SharedPrompt:
+    """One prompt prefilled once for ``uses`` sequences (each Batch.add with it counts one).
+
+    Until it has run, ``leader`` is the sequence that prefills it; sequences added meanwhile
+    wait for that step and copy the leader's rows. After it, while sequences are still to be
+    added, ``cache`` keeps the prompt's rows and ``logits`` (vocab,) what follows them.
+    """
+
+    def __init__(self, uses: int):
+        assert uses >= 1
+        self.uses = uses
+        self.leader: Sequence | None = None
+        self.cache: ModelCache | None = None
+        self.logits: np.ndarray | None = None
+
+
 @dataclass(eq=False)
 class Sequence:
     """One sequence in flight. ids: the prompt, then each token as it is chosen."""
@@ -31,6 +51,8 @@ class Sequence:
     cache: ModelCache
     prompt_len: int = field(init=False)
     feed: list[int] = field(init=False)  # what the next pass feeds: the prompt, then the last token
+    shared: SharedPrompt | None = None  # its prompt's rows come from the leader of this, if not fed
+    pending: np.ndarray | None = None  # (vocab,) logits after its prompt, when it copied them ready-made
 
     def __post_init__(self):
         self.prompt_len = len(self.ids)
@@ -54,30 +76,64 @@ class Batch:
         return len(self.sequences) >= self.size
 
     def add(self, ids: list[int], *, max_new_tokens: int, sampler, rng: np.random.Generator,
-            stop_at_eos: bool = True) -> Sequence:
-        """A new sequence, prefilled in the next step; ids (checked) plus max_new_tokens >= 1 fit n_positions."""
+            stop_at_eos: bool = True, shared: SharedPrompt | None = None) -> Sequence:
+        """A new sequence, prefilled in the next step; ids (checked) plus max_new_tokens >= 1 fit n_positions.
+
+        With ``shared`` (made for these very ids), the prompt is prefilled once for all its uses.
+        """
         assert not self.full and max_new_tokens >= 1
         cache = ModelCache(self.w.config, max_len=len(ids) + max_new_tokens)
         seq = Sequence(list(ids), max_new_tokens, sampler, rng, stop_at_eos, cache)
+        if shared is not None:
+            assert shared.uses >= 1
+            shared.uses -= 1
+            seq.shared = shared
+            if shared.cache is not None:  # prefilled in an earlier step: copy its rows now
+                cache.copy_prefix(shared.cache)
+                seq.feed, seq.pending = [], shared.logits
+                if shared.uses == 0:
+                    shared.cache = shared.logits = None
+            elif shared.leader in self.sequences:  # to be prefilled in the next step
+                seq.feed = []
+            else:
+                shared.leader = seq
         self.sequences.append(seq)
         return seq
 
     def remove(self, seq: Sequence) -> None:
-        """Stop a sequence now (its cache goes with it)."""
+        """Stop a sequence now (its cache goes with it). A leader that has not run hands its prompt on."""
         self.sequences.remove(seq)
+        shared = seq.shared
+        if shared is not None and shared.leader is seq and seq.cache.length == 0:
+            waiting = [s for s in self.sequences if s.shared is shared and not s.feed and s.pending is None]
+            shared.leader = waiting[0] if waiting else None
+            if waiting:
+                waiting[0].feed = list(waiting[0].ids)
 
     def step(self) -> list[tuple[Sequence, int, bool, np.ndarray]]:
         """One forward pass over every sequence: (sequence, its new token, whether it is done, its logits).
 
         A row of logits (vocab,) is valid until the next step. A done sequence has left the batch.
         """
-        seqs = self.sequences
+        seqs = list(self.sequences)
         if not seqs:
             return []
-        rows = prefill_batch([s.feed for s in seqs], self.w, [s.cache for s in seqs],
-                             out=self._logits[: len(seqs)])
+        fed = [s for s in seqs if s.feed]
+        row_of = dict(zip(fed, prefill_batch([s.feed for s in fed], self.w, [s.cache for s in fed],
+                                             out=self._logits[: len(fed)]) if fed else []))
+        for seq in seqs:
+            if seq not in row_of:
+                row_of[seq] = self._share(seq, row_of)
+        for seq in fed:
+            shared = seq.shared
+            if shared is not None and shared.leader is seq:  # its prompt has run: keep it for those to come
+                if shared.uses > 0:
+                    shared.cache = seq.cache.fork(max_len=len(seq.ids))
+                    shared.logits = row_of[seq].copy()
+                shared.leader = None
         out = []
-        for seq, row in zip(list(seqs), rows):
+        for seq in seqs:
+            row = row_of[seq]
             token = seq.sampler(row, seq.ids, seq.rng)
             seq.ids.append(token)
             done = (seq.stop_at_eos and token == EOT_ID) or seq.new_tokens == seq.max_new_tokens
@@ -87,3 +143,14 @@ class Batch:
                 seq.feed = [token]
             out.append((seq, token, done, row))
         return out
+
+    @staticmethod
+    def _share(seq: Sequence, row_of: dict) -> np.ndarray:
+        """The logits after the prompt of a sequence that was not fed: ready-made, or from its leader, which
+        has just run (its cache then holds the prompt; the token it samples now is not in it yet)."""
+        if seq.pending is not None:
+            row, seq.pending = seq.pending, None
+            return row
+        leader = seq.shared.leader
+        seq.cache.copy_prefix(leader.cache)
+        return row_of[leader]

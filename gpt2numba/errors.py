@@ -17,6 +17,10 @@ class CacheFullError(GPT2NumbaError, ValueError):
     """The tokens do not fit in the room left in the ModelCache."""
 
 
+class CacheError(GPT2NumbaError, ValueError):
+    """A cache cannot be forked or copied as asked: not a ModelCache, another config, a bad length."""
+
+
 class ConfigError(GPT2NumbaError, ValueError):
     """A configuration is invalid, or a cache and weights disagree on it."""
 

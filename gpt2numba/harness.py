@@ -25,7 +25,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from .errors import ConfigError
 from .forward import set_threads
 from .sample import generate_batch
-from .scoring import _score_windows, passes
+from .scoring import _score_ends
 from .tokenizer import load_tokenizer
 
 
@@ -36,13 +36,15 @@ class GPT2NumbaLM(TemplateLM):
     model: a checkpoint directory, .safetensors file or hub name (default: $GPT2NUMBA_WEIGHTS, else
     random GPT-2 small); dtype: float32, bfloat16, int8 or int4; threads; batch_size: sequences generated
     together; max_gen_toks: the default cap of generate_until (256, or half a shorter context); max_length:
-    the context the harness may use (default n_positions; as the HF backend's argument). The harness's device and
-    max_batch_size arguments mean nothing on this CPU engine and are ignored.
+    the context the harness may use (default n_positions; as the HF backend's argument); share_prefix: requests
+    that begin alike (a context and its continuations) run their shared rows once, forked for each (default
+    True; the numbers are the same to float32 rounding). The harness's device and max_batch_size arguments
+    mean nothing on this CPU engine and are ignored.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "float32", threads: int | None = None,
                  batch_size: int | str = 16, max_gen_toks: int | None = None, max_length: int | None = None,
-                 device=None, max_batch_size=None):
+                 share_prefix: bool | str = True, device=None, max_batch_size=None):
         super().__init__()
         from .models import resolve_model
 
@@ -54,6 +56,7 @@ class GPT2NumbaLM(TemplateLM):
         self._max_length = n_positions if max_length is None else int(max_length)
         if not 2 <= self._max_length <= n_positions:
             raise ConfigError(f"max_length must be in [2, {n_positions}] (n_positions), got {max_length!r}")
+        self.share_prefix = share_prefix if isinstance(share_prefix, bool) else str(share_prefix).lower() == "true"
         self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
         # the HF backend's default, 256, as far as the context leaves room for a prompt
         self.max_gen_toks = min(256, self.max_length // 2) if max_gen_toks is None else int(max_gen_toks)
@@ -80,17 +83,10 @@ class GPT2NumbaLM(TemplateLM):
         As the harness's HF backend: the last n_positions + 1 tokens of context + continuation, the
         model fed all but the last, the continuation's tokens scored from the positions before them.
         """
-        return [result for group in passes(requests, lambda item: len(item[1]) + len(item[2]))
-                for result in self._score_group(group)]
-
-    def _score_group(self, group):
-        seqs = [np.asarray((list(ctx) + list(cont))[-(self.max_length + 1):], np.int64) for _, ctx, cont in group]
-        scored = _score_windows([s[:-1] for s in seqs], self.w, targets=[s[1:] for s in seqs])
-        out = []
-        for (_, _, cont), (logprobs, greedy) in zip(group, scored):
-            n = len(cont)
-            out.append((float(logprobs[-n:].sum()), bool(greedy[-n:].all())))
-        return out
+        seqs = [np.asarray((list(ctx) + list(cont))[-(self.max_length + 1):], np.int64) for _, ctx, cont in requests]
+        counts = [min(len(cont), len(ids) - 1) for (_, _, cont), ids in zip(requests, seqs)]
+        return [(float(logprobs.sum()), bool(greedy.all()))
+                for logprobs, greedy in _score_ends(seqs, counts, self.w, share=self.share_prefix)]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """log p(text) over the harness's rolling windows: every token predicted once, the first from <|endoftext|>."""

@@ -11,7 +11,7 @@ import numpy as np
 
 from . import checks
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError, TokenTypeError
-from .batching import Batch, Sequence
+from .batching import Batch, Sequence, SharedPrompt
 from .forward import decode_step, prefill
 from .kvcache import ModelCache
 from .tokenizer import EOT_ID, Tokenizer, load_tokenizer
@@ -151,36 +151,42 @@ def _generate(ids, w, mc, sampler, max_new_tokens, rng, stop_at_eos):
 
 def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, temperature: float = 1.0,
                    top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
-                   seed: int | None = None, stop_at_eos: bool = True,
-                   batch_size: int | None = None) -> Iterator[tuple[int, int]]:
-    """Generate for many prompts at once; yield (prompt_index, token_id) as tokens are produced.
+                   seed: int | None = None, stop_at_eos: bool = True, batch_size: int | None = None,
+                   n: int = 1) -> Iterator[tuple[int, int]]:
+    """Generate for many prompts at once; yield (index, token_id) as tokens are produced.
+
+    ``n`` samples of each prompt: sequence index = prompt_index * n + j for its j-th (index =
+    prompt_index when n is 1). A prompt is prefilled once for its n samples (and for every
+    repetition of it in ``prompts``); the others copy its cache rows (ModelCache.copy_prefix).
 
     At most ``batch_size`` sequences (default: all) are in flight, each in its own
     cache slot; every step is one forward pass over all of them. Each sequence
     stops on its own, at <|endoftext|> (when stop_at_eos) or after
     max_new_tokens, and the next waiting prompt is prefilled into its slot in the
     same pass as the others' next tokens (continuous batching). With ``seed``,
-    prompt i samples from its own stream, derived from (seed, i), so its tokens
+    sequence i samples from its own stream, derived from (seed, i), so its tokens
     do not depend on the other prompts or on batch_size; greedy tokens equal
     generate's for each prompt alone. Everything is checked before any work:
-    SamplingError for settings, TokenError / TokenTypeError naming the prompt,
+    SamplingError for settings (n an integer >= 1), TokenError / TokenTypeError naming the prompt,
     CacheFullError when a prompt plus max_new_tokens passes n_positions,
     BatchError for no prompts.
     """
     steps = _batch_steps(prompts, w, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                          top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop_at_eos=stop_at_eos,
-                         batch_size=batch_size)
+                         batch_size=batch_size, n=n)
     return ((i, token) for i, token, _ in steps)
 
 
 def _batch_steps(prompts, w, *, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                 repetition_penalty=1.0, seed=None, stop_at_eos=True, batch_size=None):
-    """generate_batch's checks, then its tokens as (prompt_index, token_id, whether that prompt is done)."""
+                 repetition_penalty=1.0, seed=None, stop_at_eos=True, batch_size=None, n=1):
+    """generate_batch's checks, then its tokens as (sequence index, token_id, whether that sequence is done)."""
     checks.weights(w)
     cfg = w.config
     sampler = _settings(temperature, top_k, top_p, repetition_penalty, max_new_tokens, seed)
     if batch_size is not None and (not checks.is_integer(batch_size) or batch_size < 1):
         raise SamplingError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
+    if not checks.is_integer(n) or n < 1:
+        raise SamplingError(f"n must be an integer >= 1, got {n!r}")
     prompts = checks.sequence(prompts, "prompts")
     if not prompts:
         raise BatchError("no prompts: give at least one")
@@ -191,7 +197,7 @@ def _batch_steps(prompts, w, *, max_new_tokens, temperature=1.0, top_k=None, top
             raise CacheFullError(
                 f"prompt {i}: {len(ids)} tokens + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
                 f"passes the model's context of {cfg.n_positions} positions")
-        checked.append(ids)
+        checked.extend([ids] * n)
     slots = min(batch_size or len(checked), len(checked))
     rngs = [np.random.default_rng(None if seed is None else [seed, i]) for i in range(len(checked))]
     return _generate_batch(checked, w, sampler, max_new_tokens, rngs, stop_at_eos, slots)
@@ -201,19 +207,29 @@ def _generate_batch(prompts, w, sampler, max_new_tokens, rngs, stop_at_eos, slot
     if max_new_tokens == 0:
         return
     batch = Batch(w, slots)
+    shared = _shared_prompts(prompts)
     waiting = collections.deque(range(len(prompts)))
-    prompt_of: dict[Sequence, int] = {}  # sequence in flight -> the index of its prompt
+    index_of: dict[Sequence, int] = {}  # sequence in flight -> its index
     while waiting or batch.sequences:
-        while waiting and not batch.full:  # a free slot takes the next prompt
+        while waiting and not batch.full:  # a free slot takes the next sequence
             i = waiting.popleft()
-            prompt_of[batch.add(prompts[i], max_new_tokens=max_new_tokens, sampler=sampler, rng=rngs[i],
-                                stop_at_eos=stop_at_eos)] = i
+            index_of[batch.add(prompts[i], max_new_tokens=max_new_tokens, sampler=sampler, rng=rngs[i],
+                               stop_at_eos=stop_at_eos, shared=shared[i])] = i
         for seq, token, done, _ in batch.step():
-            yield prompt_of[seq], token, done
+            yield index_of[seq], token, done
+
+
+def _shared_prompts(prompts: list[list[int]]) -> list[SharedPrompt | None]:
+    """Per sequence, the SharedPrompt of its prompt if that prompt occurs more than once (n samples of it,
+    or the same prompt repeated): it is prefilled once for all of them."""
+    uses = collections.Counter(map(tuple, prompts))
+    made = {ids: SharedPrompt(count) for ids, count in uses.items() if count > 1}
+    return [made.get(tuple(ids)) for ids in prompts]
 
 
 def generate_text_batch(texts, w: GPT2Weights, tokenizer: Tokenizer | None = None, **options) -> list[str]:
-    """generate_batch from texts to texts: the generated continuations, in input order.
+    """generate_batch from texts to texts: the generated continuations, in input order (with n, text i's
+    j-th sample at i * n + j).
 
     An empty text starts from <|endoftext|>; <|endoftext|> ends a text and is not shown.
     Raises TokenTypeError for a text that is not a str, ConfigError for a tokenizer that is
@@ -224,8 +240,9 @@ def generate_text_batch(texts, w: GPT2Weights, tokenizer: Tokenizer | None = Non
         if not isinstance(text, str):
             raise TokenTypeError(f"text {i} must be a str, got {type(text).__name__}")
     tokenizer = _tokenizer(tokenizer)
-    tokens: list[list[int]] = [[] for _ in texts]
-    for i, token, _ in _batch_steps([prompt_ids(t, tokenizer) for t in texts], w, **options):
+    steps = _batch_steps([prompt_ids(t, tokenizer) for t in texts], w, **options)
+    tokens: list[list[int]] = [[] for _ in range(len(texts) * options.get("n", 1))]
+    for i, token, _ in steps:
         if token != tokenizer.eot_id:
             tokens[i].append(token)
     return [tokenizer.decode(t) for t in tokens]
