@@ -20,7 +20,7 @@ from conftest import TINY
 pytestmark = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
 
 # A prompt past kernels.SERIAL_ROWS (the chunked elementwise kernels) and past ROWS_MAX
-# and INT_ROWS_MAX (the BLAS paths), a ragged batch, and one decode step.
+# and INT_ROWS_MAX (the BLAS paths, the integer tiles), a ragged batch, and one decode step.
 _SCRIPT = """
 import hashlib, json, sys
 import numpy as np
