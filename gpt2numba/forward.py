@@ -27,7 +27,8 @@ from numba import typed
 from . import checks, compact
 from .config import GPT2Config
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
-from .intkernels import INT_ROWS_MAX, _int_matmul, _round_rows, _widen_matrix
+from . import inttiles
+from .intkernels import INT4_ROWS_MAX, INT_ROWS_MAX, _int_matmul, _round_rows
 from .kernels import ATTEND_TILE, _attend, _attention_plan, _gelu, _layernorm, _write_kv
 from .matkernels import (
     HEAD_ROWS_MAX,
@@ -39,7 +40,6 @@ from .matkernels import (
     _head_rows,
     _linear,
     _linear_rows,
-    _linear_t,
 )
 from .kvcache import ModelCache
 from .models import default_weights  # where weights come from; re-exported here as before
@@ -294,18 +294,14 @@ def _matmul(x, field, layer, b, out, accumulate, w, work, chunks):
 def _integer_matmul(x, q, scale, b, out, accumulate, work, chunks):
     """out (+)= x @ W.T (+ b) for an int8 or int4 matrix W [out, in], its input rounded to int8 per group.
 
-    A few rows multiply in integers, reading W as stored; more widen W and round x to
-    the same int8 values, then BLAS (see compact.py).
+    W is read as stored, in integers: a few rows one dot product at a time (_int_matmul; up
+    to INT_ROWS_MAX, INT4_ROWS_MAX for int4), more in tiles of rows and outputs (inttiles).
     """
     T, K = x.shape
-    if T <= INT_ROWS_MAX:
+    if T <= (INT4_ROWS_MAX if q.dtype == np.uint8 else INT_ROWS_MAX):
         _int_matmul(x, *work.quantized(T, K), q, scale, b, out, accumulate, chunks)
-        return
-    rounded = work.rounded(T, K)
-    _round_rows(x, rounded)
-    dense = work.dense((q.shape[0], K))
-    _widen_matrix(q, scale, dense)
-    _linear_t(rounded, dense, b, work.scratch(T, chunks), out, accumulate, chunks)
+    else:
+        inttiles._tiles_matmul(x, *work.widened(T, K), q, scale, b, out, accumulate, chunks)
 
 
 def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None = None):
@@ -325,13 +321,10 @@ def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None
 
 def _head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, chunks: int) -> None:
     """logits = h @ wte.T, by the kernel that suits wte's format and the rows. The integer
-    formats: a few rows in integers, more widened for BLAS, as _integer_matmul."""
+    formats multiply in integers, as _integer_matmul."""
     R, C = h.shape
-    if w.scales and R <= INT_ROWS_MAX:
-        hq, hs = np.empty((R, C), np.int8), np.empty((R, C // compact.GROUP), np.float32)
-        _int_matmul(h, hq, hs, w.wte, w.scales["wte"], None, logits, False, chunks)
-    elif w.scales:
-        _head_compact(w.wte, w.scales["wte"], head_inputs(w, h), logits, chunks)
+    if w.scales:
+        _integer_matmul(h, w.wte, w.scales["wte"], None, logits, False, _workspace(w, R, get_threads()), chunks)
     elif 2 <= R <= HEAD_ROWS_MAX:
         _head_rows(w.wte, h, logits, chunks)
     elif w.dtype == "float32":
@@ -381,10 +374,10 @@ class _Workspace:
         self.attend = np.empty((threads, ATTEND_TILE * (cfg.head_dim + cfg.n_positions)), np.float32)
         self._scratch = np.empty(0, np.float32)
         self._dense = np.empty(0, np.float32)
-        # the integer formats' inputs: int8 rows and their scales, or rounded back to float32
+        # the integer formats' inputs: int8 rows and their scales, and widened to int16 for tiles
         self._int8 = np.empty(0, np.int8)
         self._int8_scales = np.empty(0, np.float32)
-        self._rounded = np.empty(0, np.float32)
+        self._wide = np.empty(0, np.int16)
 
     def scratch(self, T: int, chunks: int) -> np.ndarray:
         """Where matrix products land first: T rows, or T partial rows per chunk (flat)."""
@@ -400,11 +393,14 @@ class _Workspace:
             self._int8_scales = np.empty(T * self.width // compact.GROUP, np.float32)
         return self._int8[: T * K].reshape(T, K), self._int8_scales[: T * K // compact.GROUP].reshape(T, -1)
 
-    def rounded(self, T: int, K: int) -> np.ndarray:
-        """float32 (T, K) for inputs rounded to the integer formats' values."""
-        if self._rounded.size < T * K:
-            self._rounded = np.empty(T * self.width, np.float32)
-        return self._rounded[: T * K].reshape(T, K)
+    def widened(self, T: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int8 (rows, K), float32 (rows, K // GROUP) and int16 (rows, K) for T rows of inputs
+        quantised and widened, rows = inttiles.rows(T) (whole tiles)."""
+        n = inttiles.rows(T)
+        if self._wide.size < n * K:
+            self._wide = np.empty(n * self.width, np.int16)
+        q, s = self.quantized(n, K)
+        return q, s, self._wide[: n * K].reshape(n, K)
 
     def dense(self, shape: tuple) -> np.ndarray:
         """A float32 buffer of ``shape`` for one widened compact matrix (many rows only)."""

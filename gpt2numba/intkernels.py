@@ -4,8 +4,9 @@ A product with an integer matrix takes its input rows quantised to int8 per grou
 of GROUP (_quantize_rows). Up to INT_ROWS_MAX rows, _int_rows multiplies int8 by
 int8 (int4 unpacked in registers) into int32, one group at a time, and scales once
 per group; its dot product, _dot_row, is written in LLVM's vector IR so that every
-x86 gets the CPU's 8-bit multiply-add (pmaddwd, at the widest width it has). More rows go to BLAS: the matrix widened (_widen_matrix), the
-inputs rounded to the same int8 values (_round_rows).
+x86 gets the CPU's 8-bit multiply-add (pmaddwd, at the widest width it has). More
+rows go to inttiles.py, in tiles of rows and outputs. The BLAS heads of scoring take
+the inputs rounded to the same int8 values (_round_rows).
 
 Private and unchecked, as kernels.py: callers in forward.py validate.
 """
@@ -20,10 +21,14 @@ from .compact import GROUP as _GROUP
 
 _HALF_GROUP = _GROUP // 2
 
-# Rows up to which _int_rows beats widening the matrix for BLAS (measured on 2 cores, GPT-2 small,
-# decode_batch at context 128: 32 rows 58 ms a step in int8 against 72 widened; 64 rows 119 against 97).
-INT_ROWS_MAX = 48
-_ROW_CHUNKS = 32  # chunks of rows in _round_rows and _widen_matrix (as kernels.ROW_CHUNKS)
+# Rows up to which _int_rows beats the tiles of inttiles.py (measured on 2 busy cores of an AMD EPYC
+# Zen 3, GPT-2 small's four matrices of a layer in int8, CPU time, medians of 15 alternating runs:
+# 10 rows 5.4 ms against the tiles' 5.9, 12 rows 6.3 against 5.9, 24 rows 12.2 against 9.2).
+# int4 unpacks its nibbles in every dot product, once per panel in the tiles: 2 rows 1.9 ms
+# against 2.9, 4 rows 3.0 against 3.1, 6 rows 4.7 against 4.5, 8 rows 6.5 against 4.7.
+INT_ROWS_MAX = 10
+INT4_ROWS_MAX = 4
+_ROW_CHUNKS = 32  # chunks of rows in _round_rows (as kernels.ROW_CHUNKS)
 
 
 def _madd_pairs(builder, a, b):
@@ -238,19 +243,3 @@ def _int_matmul(x, xq, xs, w, scale, b, out, accumulate, n_blocks):
     """out (+)= x @ W.T (+ b): x quantised into xq, xs (_quantize_rows), then _int_rows; one call from Python."""
     _quantize_rows(x, xq, xs)
     _int_rows(xq, xs, w, scale, b, out, accumulate, n_blocks)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _widen_matrix(w, scale, out):
-    """out = float32 values of an integer matrix, [out, in] as stored. w: int8 (N, K) or
-    packed uint8 (N, K // 2); scale: (N, K // GROUP); out: (N, K)."""
-    N = w.shape[0]
-    n_chunks = min(N, _ROW_CHUNKS)
-    nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
-    for _ in prange(n_chunks):
-        c = _claim(nxt)
-        while c < n_chunks:
-            for n in range(c * N // n_chunks, (c + 1) * N // n_chunks):
-                for g in range(scale.shape[1]):
-                    _widen_group(w[n], g, scale[n, g], out[n])
-            c = _claim(nxt)

@@ -94,31 +94,6 @@ def _sum_partials(partial, i, b, out, accumulate):
         out[i, j] = out[i, j] + s if accumulate else s
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def _linear_t(x, wt, b, scratch, out, accumulate, n_blocks):
-    """out (+)= x @ wt.T + b for weights stored [out, in] (the integer formats' widened matrices).
-
-    x: (T, K); wt: (N, K); b: (N,); out: (T, N); scratch: flat float32 of at least T * N.
-    Each thread takes a block of wt's rows: one single-threaded BLAS product.
-    """
-    T = x.shape[0]
-    N = wt.shape[0]
-    step = ((N + n_blocks - 1) // n_blocks + 15) // 16 * 16
-    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
-    for _ in prange(n_blocks):
-        blk = _claim(nxt)
-        while blk < n_blocks:
-            lo, hi = min(N, blk * step), min(N, (blk + 1) * step)
-            if lo < hi:
-                part = scratch[T * lo: T * hi].reshape(T, hi - lo)
-                np.dot(x, wt[lo:hi].T, part)
-                for i in range(T):
-                    for j in range(hi - lo):
-                        v = part[i, j] + b[lo + j]
-                        out[i, lo + j] = out[i, lo + j] + v if accumulate else v
-            blk = _claim(nxt)
-
-
 # Up to this many rows, _head_rows beats the head's BLAS products and the compact
 # heads' widened chunks (measured on 2 cores, GPT-2 small: 1.6x at 8 rows in float32,
 # 2.2x in bfloat16).

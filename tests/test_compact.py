@@ -13,7 +13,7 @@ from threadpoolctl import threadpool_limits
 import gpt2numba as g
 from checkpoints import write_dir
 from conftest import TINY
-from gpt2numba import compact, intkernels, matkernels, oracle
+from gpt2numba import compact, intkernels, inttiles, matkernels, oracle
 from gpt2numba.intkernels import INT_ROWS_MAX
 from helpers import check_chunks, check_generate_batch, check_prefill, randn
 
@@ -131,16 +131,72 @@ def test_int_rows(shape, N, n_blocks, accumulate, bias, dtype, seed):
     np.testing.assert_array_equal(fused, out)
 
 
+def int64_products(xq, xs, stored, scale):
+    """The integer products' function, plainly: per group an exact int64 sum of int8 products, times
+    the two scales, summed over the groups in float64. xq (T, K) int8, xs (T, K // GROUP); stored, scale: W's."""
+    q = compact.unpack(stored) if stored.dtype == np.uint8 else stored
+    T, N = xq.shape[0], q.shape[0]
+    sums = np.einsum("tgk,ngk->tng", xq.reshape(T, -1, compact.GROUP).astype(np.int64),
+                     q.reshape(N, -1, compact.GROUP).astype(np.int64))
+    return (sums * xs[:, None, :].astype(np.float64) * scale[None].astype(np.float64)).sum(-1)
+
+
+tile_shapes = st.integers(1, 70).flatmap(lambda T: st.integers(1, 12).map(lambda n: (T, n * compact.GROUP)))
+
+
+@given(shape=tile_shapes, N=st.integers(1, 70), n_workers=st.integers(1, 3), accumulate=st.booleans(),
+       bias=st.booleans(), dtype=st.sampled_from(INTEGER), seed=st.integers(0, 2**32 - 1))
+def test_int_tiles(shape, N, n_workers, accumulate, bias, dtype, seed):
+    """The tiles against an int64 NumPy reference, on sizes off every tile (rows, outputs, K blocks),
+    and each row against the same row computed alone by _int_rows."""
+    rng = np.random.default_rng(seed)
+    T, K = shape
+    stored, scale = compact.quantize(randn(rng, N, K), dtype)
+    x = randn(rng, T, K)
+    rows = inttiles.rows(T)
+    xq, xs, xw = np.empty((rows, K), np.int8), np.empty((rows, K // compact.GROUP), np.float32), np.empty((rows, K), np.int16)
+    xw[:] = 99  # rows past T must be zeroed
+    inttiles._widen_rows(x, xq, xs, xw)
+    ref_q, ref_s = quantize_rows(x)
+    np.testing.assert_array_equal(xw[:T], ref_q)
+    np.testing.assert_array_equal(xs[:T], ref_s)
+    assert not xw[T:].any() and not xs[T:].any()
+    b, out = randn(rng, N) if bias else None, randn(rng, T, N)
+    ref = (out.astype(np.float64) if accumulate else 0) + int64_products(ref_q, ref_s, stored, scale) + (b if bias else 0)
+    alone = out.copy()
+    inttiles._int_tiles(xw, xs, T, stored, scale, b, out, accumulate, n_workers)
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-5)
+    for t in range(T):  # the same rows one at a time, by the few-rows kernel
+        intkernels._int_rows(ref_q[t:t + 1], ref_s[t:t + 1], stored, scale, b, alone[t:t + 1], accumulate, 1)
+    np.testing.assert_allclose(out, alone, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86's multiply-add instructions")
 @pytest.mark.parametrize("dtype", INTEGER)
-def test_int_rows_uses_the_integer_multiply_add(dtype):
-    """The hot loop multiplies 8-bit integers with the CPU's multiply-add (pmaddwd, or VNNI's), not scalar code."""
+@pytest.mark.parametrize("kernel", ["_int_rows", "_int_tiles"])
+def test_integer_kernels_use_the_integer_multiply_add(dtype, kernel):
+    """The hot loops multiply 16-bit integers with the CPU's multiply-add (pmaddwd, or VNNI's), not scalar
+    code; the tiles take each row's pair of inputs by one broadcast, and keep their sums in registers."""
     stored, scale = compact.quantize(np.ones((4, 64), np.float32), dtype)
     xq, xs = quantize_rows(np.ones((1, 64), np.float32))
-    fresh = numba.njit(intkernels._int_rows.py_func, parallel=True)  # not from the cache, which keeps no assembly
-    fresh(xq, xs, stored, scale, None, np.empty((1, 4), np.float32), False, 1)
+    out = np.empty((1, 4), np.float32)
+    if kernel == "_int_rows":
+        fresh = numba.njit(intkernels._int_rows.py_func, parallel=True)  # not from the cache, which keeps no assembly
+        fresh(xq, xs, stored, scale, None, out, False, 1)
+    else:
+        fresh = numba.njit(inttiles._int_tiles.py_func, parallel=True)
+        rows = inttiles.rows(1)
+        fresh(np.zeros((rows, 64), np.int16), np.zeros((rows, 2), np.float32), 1, stored, scale, None, out, False, 1)
     asm = "\n".join(fresh.inspect_asm().values()).lower()
-    assert any(op in asm for op in ("pmaddwd", "vpdpwssd", "vpdpbusd")), "no 8-bit multiply-add in _int_rows"
+    assert any(op in asm for op in ("pmaddwd", "vpdpwssd", "vpdpbusd")), f"no 8-bit multiply-add in {kernel}"
+    if kernel == "_int_tiles":
+        lines = [line.split() for line in asm.splitlines() if line.strip() and not line.strip().startswith((".", "#"))]
+        madds = [i for i, op in enumerate(lines) if op[0].endswith(("pmaddwd", "dpwssd"))]
+        assert "vpbroadcastd" in asm or "pbroadcastd" in asm, "the tile's inputs are not broadcast"
+        stack = [op for op in lines[madds[0]:madds[-1]] if "rsp" in " ".join(op[1:]) and op[0].startswith("vmov")]
+        # at most the float32 accumulators', once per group (16 pairs x 8 multiply-adds); not the sums' or the
+        # weights' (a tile left to LLVM's ordering moves about two vectors to the stack per multiply-add)
+        assert len(stack) <= len(madds) // 8, f"{len(stack)} stack moves among {len(madds)} multiply-adds"
 
 
 @given(V=st.integers(1, 1100), C=groups, R=st.integers(1, 4), n_blocks=st.integers(1, 3),
@@ -178,17 +234,12 @@ def check_head(head, V, C, R, dtype, seed):
     np.testing.assert_allclose(out, h @ compact.expand("wte", stored, scale).T, atol=1e-4, rtol=1e-4)
 
 
-@given(K=groups, N=st.integers(1, 70), dtype=st.sampled_from(COMPACT), seed=st.integers(0, 2**32 - 1))
-def test_expand(K, N, dtype, seed):
-    stored, scale = compact.compress("c_fc_w", randn(np.random.default_rng(seed), K, N), dtype)
-    if dtype == "bfloat16":
-        out = np.empty((K, N), np.float32)
-        matkernels._expand_bf16(stored, out)
-    else:  # the integer formats widen [out, in], as they store
-        out = np.empty((N, K), np.float32)
-        intkernels._widen_matrix(stored, scale, out)
-        out = out.T
-    np.testing.assert_array_equal(out, compact.expand("c_fc_w", stored, scale))
+@given(K=groups, N=st.integers(1, 70), seed=st.integers(0, 2**32 - 1))
+def test_expand_bfloat16(K, N, seed):
+    stored, _ = compact.compress("c_fc_w", randn(np.random.default_rng(seed), K, N), "bfloat16")
+    out = np.empty((K, N), np.float32)
+    matkernels._expand_bf16(stored, out)
+    np.testing.assert_array_equal(out, compact.expand("c_fc_w", stored, None))
 
 
 # --- the engine on compact weights ---------------------------------------------------------------
@@ -229,13 +280,13 @@ def test_generation_compact(tiny, dtype):
 
 
 @pytest.mark.parametrize("dtype", INTEGER)
-def test_integer_long_prefill(dtype):
-    """Past INT_ROWS_MAX rows the integer formats widen the matrices and round the inputs for BLAS:
-    the same function as the integer kernels, for a prefill, the decode after it, and every row's logits."""
-    cfg = dataclasses.replace(TINY, n_positions=2 * INT_ROWS_MAX + 8)
+def test_integer_tiles_prefill(dtype):
+    """Past INT_ROWS_MAX rows the integer formats multiply in tiles (inttiles.py): the function the
+    oracle rounds, for a prefill, chunks and the decode after them, and every row's logits."""
+    cfg = dataclasses.replace(TINY, n_positions=80)
     w = g.random_weights(cfg, seed=3, dtype=dtype)
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, INT_ROWS_MAX + 20)
-    check_chunks(ids, [INT_ROWS_MAX + 10, INT_ROWS_MAX + 11], w, f"{dtype}, past INT_ROWS_MAX")
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 75)
+    check_chunks(ids, [INT_ROWS_MAX + 10, INT_ROWS_MAX + 11, 60, 61], w, f"{dtype}, past INT_ROWS_MAX")
     rows = g.prefill(ids, w, g.ModelCache(cfg), logits="all")
     for T in (1, INT_ROWS_MAX + 1, len(ids)):
         assert oracle.agreement(rows[T - 1], g.recompute_logits(ids[:T], w), dtype)[0]

@@ -14,7 +14,7 @@ import gpt2numba as g
 import helpers
 import test_score
 from conftest import TINY
-from gpt2numba import forward, intkernels, kernels
+from gpt2numba import forward, intkernels, inttiles, kernels
 from numba import typed
 
 CAUGHT = (AssertionError, g.GPT2NumbaError)
@@ -196,6 +196,12 @@ def _int_rows_mutant(monkeypatch, change):
         intkernels._quantize_rows(x, xq, xs)
         intkernels._int_rows(*change(xq, xs, w, scale), *rest)
     monkeypatch.setattr(forward, "_int_matmul", int_matmul)
+
+    def tiles_matmul(x, xq, xs, xw, w, scale, *rest):  # and past INT_ROWS_MAX rows
+        inttiles._widen_rows(x, xq, xs, xw)
+        xw, xs, w, scale = change(xw, xs, w, scale)
+        inttiles._int_tiles(xw, xs, x.shape[0], w, scale, *rest)
+    monkeypatch.setattr(inttiles, "_tiles_matmul", tiles_matmul)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])

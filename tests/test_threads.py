@@ -22,8 +22,8 @@ from conftest import TINY
 pytestmark = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
 
 # A prompt past kernels.SERIAL_ROWS (the chunked elementwise kernels) and past ROWS_MAX
-# and INT_ROWS_MAX (the BLAS paths), one past 256 (blocks of tokens, not of weights),
-# a ragged batch, and one decode step.
+# and INT_ROWS_MAX (the BLAS paths, the integer tiles), one past 256 (blocks of tokens, not
+# of weights), a ragged batch, and one decode step.
 _SCRIPT = """
 import dataclasses, hashlib, json, sys
 import numpy as np

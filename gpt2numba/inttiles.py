@@ -1,0 +1,358 @@
+"""Integer matrix products over many rows: out (+)= x @ W.T (+ b), W int8 or int4 as stored.
+
+The inputs are quantised per group of GROUP as for every integer product
+(intkernels._quantize_rows) and widened to int16 once. W is read as stored: each
+thread takes a panel of PANEL of W's rows (outputs) at a time and, one block of
+K_BLOCK inputs after another, repacks that block into a small int16 buffer, in the
+order the tile reads it (_pack_panel), then runs the tile over every block of TILE_ROWS
+input rows (_tile). The tile keeps TILE_ROWS x PANEL int32 sums in registers: per pair of
+inputs it broadcasts each row's two int16 values and multiplies them with PANEL
+outputs' two weights in one multiply-add of pairs (x86's pmaddwd, at the widest width
+the CPU has), so that no horizontal sum is ever needed. After each group the sums,
+exact in int32 (at most 32 x 127 x 127), become float32 and are scaled:
+acc += float(sum) * (x's scale * W's scale), group after group in order, so the result
+of an output depends neither on the tiling nor on the threads.
+
+Private and unchecked, as the other kernels: callers in forward.py validate.
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from .chunks import _claim
+from .compact import GROUP as _GROUP
+from .intkernels import _MADD_WIDTH, _quantize_rows
+
+_HALF_GROUP = _GROUP // 2
+_LANES = (_MADD_WIDTH or 16) // 2  # int32 sums in one multiply-add: outputs per vector
+_VECTORS = 2  # vectors of outputs per tile
+PANEL = _LANES * _VECTORS  # W's rows per panel: outputs of one tile
+TILE_ROWS = 4  # input rows per tile
+K_BLOCK = 256  # inputs per repacked block of a panel (PANEL x K_BLOCK int16: in L1)
+CHUNK_PANELS = 4  # panels per chunk of work: each block of rows is read once for all of them
+_ROW_CHUNKS = 32  # chunks of rows in _widen_rows
+
+
+def _madd(builder, a, b):
+    """<n/2 x i32>: a[2i] * b[2i] + a[2i+1] * b[2i+1] for <n x i16> vectors a, b (pmaddwd on x86)."""
+    i16, i32 = ir.IntType(16), ir.IntType(32)
+    n = a.type.count
+    if _MADD_WIDTH == n:
+        name = {32: "llvm.x86.avx512.pmaddw.d.512", 16: "llvm.x86.avx2.pmadd.wd", 8: "llvm.x86.sse2.pmadd.wd"}[n]
+        fn = builder.module.globals.get(name)
+        if fn is None:
+            fn = ir.Function(builder.module, ir.FunctionType(ir.VectorType(i32, n // 2),
+                                                             [ir.VectorType(i16, n)] * 2), name)
+        return builder.call(fn, [a, b])
+    half = ir.VectorType(i32, n // 2)
+
+    def lanes(v, first):
+        return builder.sext(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, n // 2),
+                                                                     list(range(first, n, 2)))), half)
+    return builder.add(builder.mul(lanes(a, 0), lanes(b, 0)), builder.mul(lanes(a, 1), lanes(b, 1)))
+
+
+def _pin(builder, values):
+    """values, all held in vector registers at one point of the program that no memory access
+    crosses (an empty inline assembly on x86).
+
+    Without it LLVM orders the tile's work row after row (integer sums may be done in any
+    order), which keeps every loaded weight alive at once and spills them to the stack. Pinned
+    after each pair of inputs, the tile does one pair after another, with only its sums, a
+    pair's weights and one broadcast live.
+    """
+    if not _MADD_WIDTH:
+        return values
+    n = len(values)
+    ty = values[0].type
+    held = builder.asm(ir.FunctionType(ir.LiteralStructType([ty] * n), [ty] * n), "",
+                       ",".join(["=x"] * n + [str(i) for i in range(n)] + ["~{memory}"]), values, side_effect=True)
+    return [builder.extract_value(held, i) for i in range(n)]
+
+
+@intrinsic
+def _tile(typingctx, xw, xs, panel, pscale, acc, t0, g0, g1):
+    """acc[t0:t0+TILE_ROWS] += the products of groups g0..g1-1 of TILE_ROWS input rows with a panel.
+
+    xw: int16 (rows, K), the quantised inputs widened; xs: float32 (rows, K // GROUP), their
+    scales; panel: int16 flat, the panel's groups g0..g1-1 as _pack_panel writes them;
+    pscale: float32 (K // GROUP, PANEL), the panel's scales; acc: float32 (rows, PANEL).
+    For each group: per pair of inputs p, every row's x[2p], x[2p+1] broadcast and
+    multiplied-added with the panel's (w[2p], w[2p+1]) of PANEL outputs, into int32 sums;
+    then acc += float(sum) * (xs * pscale). Unchecked: g0 < g1, rows t0..t0+TILE_ROWS-1 exist.
+    """
+    def is_c(a, dtype, ndim):
+        return isinstance(a, types.Array) and a.dtype == dtype and a.ndim == ndim and a.layout == "C"
+
+    if not (is_c(xw, types.int16, 2) and is_c(xs, types.float32, 2) and is_c(panel, types.int16, 1)
+            and is_c(pscale, types.float32, 2) and is_c(acc, types.float32, 2)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        xa, xsa, pa, psa, aa = (context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args[:5], args[:5]))
+        t0v, g0v, g1v = args[5:]
+        i16, i32, i64, f32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+        L, V, R = _LANES, _VECTORS, TILE_ROWS
+        vf, vi, vw = ir.VectorType(f32, L), ir.VectorType(i32, L), ir.VectorType(i16, 2 * L)
+
+        def const(n):
+            return ir.Constant(i64, n)
+
+        def at(ptr, index, ty):  # ty* at ptr[index]
+            return builder.bitcast(builder.gep(ptr, [index]), ty.as_pointer())
+
+        def splat(value, ty):
+            one = builder.insert_element(ir.Constant(ty, None), value, ir.Constant(i32, 0))
+            return builder.shuffle_vector(one, ir.Constant(ty, None), ir.Constant(ir.VectorType(i32, L), [0] * L))
+
+        K = builder.extract_value(xa.shape, 1)
+        G = builder.extract_value(xsa.shape, 1)
+        rows = [builder.add(t0v, const(r)) for r in range(R)]
+        x_row = [builder.mul(t, K) for t in rows]
+        acc_at = [[at(aa.data, builder.add(builder.mul(t, const(PANEL)), const(v * L)), vf) for v in range(V)]
+                  for t in rows]
+        entry = builder.block
+        loop = builder.append_basic_block("tile_group")
+        done = builder.append_basic_block("tile_done")
+        start = [[builder.load(p, align=4) for p in row] for row in acc_at]
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        g = builder.phi(i64)
+        g.add_incoming(g0v, entry)
+        facc = [[builder.phi(vf) for _ in range(V)] for _ in range(R)]
+        for r in range(R):
+            for v in range(V):
+                facc[r][v].add_incoming(start[r][v], entry)
+        base = builder.mul(builder.sub(g, g0v), const(_GROUP * PANEL))  # the group's place in the panel
+        k0 = builder.mul(g, const(_GROUP))
+        sums = [[ir.Constant(vi, None) for _ in range(V)] for _ in range(R)]
+        for p in range(_HALF_GROUP):
+            w = [builder.load(at(pa.data, builder.add(base, const((p * V + v) * 2 * L)), vw), align=2)
+                 for v in range(V)]
+            for r in range(R):
+                pair = builder.load(at(xa.data, builder.add(x_row[r], builder.add(k0, const(2 * p))), i32), align=2)
+                x = builder.bitcast(splat(pair, vi), vw)
+                for v in range(V):
+                    prod = _madd(builder, x, w[v])
+                    sums[r][v] = prod if p == 0 else builder.add(sums[r][v], prod)
+            flat = _pin(builder, [s for row in sums for s in row])
+            sums = [flat[r * V:(r + 1) * V] for r in range(R)]
+        nxt = []
+        for r in range(R):
+            xscale = splat(builder.load(builder.gep(xsa.data, [builder.add(builder.mul(rows[r], G), g)])), vf)
+            row_next = []
+            for v in range(V):
+                wscale = builder.load(at(psa.data, builder.add(builder.mul(g, const(PANEL)), const(v * L)), vf), align=4)
+                scale = builder.fmul(xscale, wscale)
+                step = builder.fadd(facc[r][v], builder.fmul(builder.sitofp(sums[r][v], vf), scale, flags=("contract",)),
+                                    flags=("contract",))
+                facc[r][v].add_incoming(step, loop)
+                row_next.append(step)
+            nxt.append(row_next)
+        g_next = builder.add(g, const(1))
+        g.add_incoming(g_next, loop)
+        builder.cbranch(builder.icmp_signed("<", g_next, g1v), loop, done)
+        builder.position_at_end(done)
+        for r in range(R):
+            for v in range(V):
+                builder.store(nxt[r][v], acc_at[r][v], align=4)
+        return context.get_dummy_value()
+
+    return types.void(xw, xs, panel, pscale, acc, types.int64, types.int64, types.int64), codegen
+
+
+def _transpose(builder, vectors):
+    """The n vectors of n lanes that are the columns of these n (a power of two): column k first.
+
+    log2(n) rounds of pairing vector i with vector i + n/2 and interleaving their halves."""
+    n = len(vectors)
+    i32 = ir.IntType(32)
+    for _ in range(n.bit_length() - 1):
+        low = ir.Constant(ir.VectorType(i32, n), [k for j in range(n // 2) for k in (j, n + j)])
+        high = ir.Constant(ir.VectorType(i32, n), [k for j in range(n // 2, n) for k in (j, n + j)])
+        pairs = [(vectors[i], vectors[i + n // 2]) for i in range(n // 2)]
+        vectors = [builder.shuffle_vector(a, b, mask) for a, b in pairs for mask in (low, high)]
+    return vectors
+
+
+@intrinsic
+def _pack_group(typingctx, w, n0, g, panel, at):
+    """panel[at : at + GROUP * PANEL] = group g of W's rows n0..n0+PANEL-1, as _tile reads it.
+
+    w: int8 (N, K) or packed int4 uint8 (N, K // 2), C-contiguous, with n0 + PANEL <= N;
+    panel: int16 flat. Each row's group is loaded whole, widened to int16 (an int4 row
+    unpacked first: low nibbles, then high ones, minus 8), its pairs of inputs taken as
+    int32, and each block of LANES rows transposed: for pair p, the block's LANES pairs
+    side by side. The same layout as _pack_panel's, vectorised.
+    """
+    if not (isinstance(w, types.Array) and w.dtype in (types.int8, types.uint8) and w.ndim == 2
+            and w.layout == "C" and isinstance(panel, types.Array) and panel.dtype == types.int16
+            and panel.layout == "C"):
+        return None
+    packed = w.dtype == types.uint8
+
+    def codegen(context, builder, sig, args):
+        wa = context.make_array(sig.args[0])(context, builder, args[0])
+        pa = context.make_array(sig.args[3])(context, builder, args[3])
+        n0v, gv, atv = args[1], args[2], args[4]
+        i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+        L, V = _LANES, _VECTORS
+        width = builder.extract_value(wa.shape, 1)
+        stored = _HALF_GROUP if packed else _GROUP  # bytes of one group in a row
+        rows = []
+        for j in range(PANEL):
+            start = builder.add(builder.mul(builder.add(n0v, ir.Constant(i64, j)), width),
+                                builder.mul(gv, ir.Constant(i64, stored)))
+            ptr = builder.bitcast(builder.gep(wa.data, [start]), ir.VectorType(i8, stored).as_pointer())
+            raw = builder.load(ptr, align=1)
+            if packed:
+                low = builder.and_(raw, ir.Constant(raw.type, [15] * stored))
+                high = builder.lshr(raw, ir.Constant(raw.type, [4] * stored))
+                both = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(i32, _GROUP), list(range(_GROUP))))
+                raw = builder.sub(both, ir.Constant(both.type, [8] * _GROUP))
+            wide = builder.sext(raw, ir.VectorType(i16, _GROUP))
+            rows.append(builder.bitcast(wide, ir.VectorType(i32, _HALF_GROUP)))  # the group's pairs
+        for v in range(V):
+            block = rows[v * L:(v + 1) * L]
+            for p0 in range(0, _HALF_GROUP, L):  # pairs p0..p0+L-1 of the block's L rows
+                part = [builder.shuffle_vector(r, r, ir.Constant(ir.VectorType(i32, L), list(range(p0, p0 + L))))
+                        for r in block]
+                for k, column in enumerate(_transpose(builder, part)):
+                    index = builder.add(atv, ir.Constant(i64, ((p0 + k) * V + v) * 2 * L))
+                    ptr = builder.bitcast(builder.gep(pa.data, [index]), column.type.as_pointer())
+                    builder.store(column, ptr, align=2)
+        return context.get_dummy_value()
+
+    return types.void(w, types.int64, types.int64, panel, types.int64), codegen
+
+
+def _weight(row, k):
+    """The int16 value of input k of an integer matrix's row (int8, or packed int4)."""
+
+
+@overload(_weight, inline="always")
+def _weight_typed(row, k):
+    if row.dtype == types.uint8:
+        def nibble(row, k):
+            g, j = k // _GROUP, k % _GROUP
+            byte = np.int16(row[g * _HALF_GROUP + j % _HALF_GROUP])
+            return ((byte >> 4) if j >= _HALF_GROUP else (byte & 15)) - np.int16(8)
+        return nibble
+
+    def value(row, k):
+        return np.int16(row[k])
+    return value
+
+
+@njit(cache=True, nogil=True)
+def _pack_panel(w, scale, n0, g0, g1, panel, pscale):
+    """panel = W's rows n0..n0+PANEL-1, groups g0..g1-1, as _tile reads them: for each group, for each
+    pair of inputs p, PANEL pairs (w[n, 2p], w[n, 2p+1]) as int16; rows past W's end are zeros.
+    pscale[g, j] = scale[n0 + j, g] (0 past the end), for the groups g0..g1-1.
+
+    w: int8 (N, K) or packed int4 uint8 (N, K // 2); scale: float32 (N, K // GROUP);
+    panel: int16 (>= (g1 - g0) * GROUP * PANEL,); pscale: float32 (K // GROUP, PANEL).
+    """
+    N = w.shape[0]
+    if n0 + PANEL <= N:
+        for g in range(g0, g1):
+            _pack_group(w, n0, g, panel, (g - g0) * _GROUP * PANEL)
+            for j in range(PANEL):
+                pscale[g, j] = scale[n0 + j, g]
+        return
+    for j in range(PANEL):
+        n = n0 + j
+        for g in range(g0, g1):
+            base = (g - g0) * _GROUP * PANEL + 2 * j
+            if n < N:
+                row = w[n]
+                pscale[g, j] = scale[n, g]
+                for k in range(_GROUP):
+                    panel[base + (k // 2) * 2 * PANEL + k % 2] = _weight(row, g * _GROUP + k)
+            else:
+                pscale[g, j] = 0.0
+                for k in range(_GROUP):
+                    panel[base + (k // 2) * 2 * PANEL + k % 2] = 0
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _widen_rows(x, xq, xs, xw):
+    """xw = the int8 values of x quantised per group (_quantize_rows), as int16; xs their scales.
+
+    x: float32 (T, K); xq: int8 (>= T, K), scratch; xs: float32 (>= T, K // GROUP);
+    xw: int16 (>= T, K). Rows of xw and xs past T are set to zeros (tiles read whole blocks of rows).
+    """
+    T, K = x.shape
+    n_chunks = min(T, _ROW_CHUNKS)
+    nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
+    for _ in prange(n_chunks):
+        c = _claim(nxt)
+        while c < n_chunks:
+            lo, hi = c * T // n_chunks, (c + 1) * T // n_chunks
+            _quantize_rows(x[lo:hi], xq[lo:hi], xs[lo:hi])
+            for t in range(lo, hi):
+                for k in range(K):
+                    xw[t, k] = xq[t, k]
+            c = _claim(nxt)
+    xw[T:] = 0
+    xs[T:] = 0.0
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _int_tiles(xw, xs, T, w, scale, b, out, accumulate, n_workers):
+    """out (+)= x @ W.T (+ b) for many rows, W an integer matrix read as stored.
+
+    xw: int16 (rows, K), the T input rows quantised and widened (_widen_rows), rows a
+    multiple of TILE_ROWS, those past T zeros; xs: float32 (rows, K // GROUP); w: int8 (N, K)
+    or packed int4 uint8 (N, K // 2); scale: (N, K // GROUP); b: (N,) or None; out: (T, N).
+    Each of n_workers takes chunks of CHUNK_PANELS panels of PANEL outputs from an atomic
+    counter; for each block of K_BLOCK inputs it repacks the chunk's panels, then runs every
+    block of TILE_ROWS rows against each panel while the rows are in L1. An output's result
+    does not depend on its chunk, nor on the thread that computes it.
+    """
+    rows, K = xw.shape
+    N, G = scale.shape[0], K // _GROUP
+    width = CHUNK_PANELS * PANEL  # outputs per chunk
+    n_chunks = (N + width - 1) // width
+    block = K_BLOCK // _GROUP  # groups per repacked block
+    size = block * _GROUP * PANEL  # int16 of one panel's block
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    for _ in prange(n_workers):
+        panels = np.empty(CHUNK_PANELS * size, np.int16)
+        pscale = np.empty((CHUNK_PANELS, G, PANEL), np.float32)
+        acc = np.empty((CHUNK_PANELS, rows, PANEL), np.float32)
+        c = _claim(nxt)
+        while c < n_chunks:
+            n0 = c * width
+            count = min(CHUNK_PANELS, (N - n0 + PANEL - 1) // PANEL)  # panels in this chunk
+            acc[:] = 0.0
+            for g0 in range(0, G, block):
+                g1 = min(G, g0 + block)
+                for i in range(count):
+                    _pack_panel(w, scale, n0 + i * PANEL, g0, g1, panels[i * size:(i + 1) * size], pscale[i])
+                for t0 in range(0, rows, TILE_ROWS):
+                    for i in range(count):
+                        _tile(xw, xs, panels[i * size:(i + 1) * size], pscale[i], acc[i], t0, g0, g1)
+            for t in range(T):  # row by row: a panel's outputs are one cache line of out's row
+                for i in range(count):
+                    for j in range(min(PANEL, N - n0 - i * PANEL)):
+                        n = n0 + i * PANEL + j
+                        v = acc[i, t, j] + b[n] if b is not None else acc[i, t, j]
+                        out[t, n] = out[t, n] + v if accumulate else v
+            c = _claim(nxt)
+
+
+@njit(cache=True, nogil=True)
+def _tiles_matmul(x, xq, xs, xw, w, scale, b, out, accumulate, n_workers):
+    """out (+)= x @ W.T (+ b): x quantised and widened into xq, xs, xw (_widen_rows), then
+    _int_tiles; one call from Python. x: float32 (T, K); xq: int8, xs: float32 and xw: int16
+    with rows(T) rows; the rest as _int_tiles."""
+    _widen_rows(x, xq, xs, xw)
+    _int_tiles(xw, xs, x.shape[0], w, scale, b, out, accumulate, n_workers)
+
+
+def rows(T: int) -> int:
+    """Rows of the widened inputs for T rows: whole tiles."""
+    return (T + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS
