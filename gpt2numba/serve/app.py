@@ -37,7 +37,8 @@ log = logging.getLogger("gpt2numba.serve")
 
 __all__ = ["ApiError", "MAX_LOGPROBS", "MAX_STOPS", "Routes", "create_app", "parse_completion"]
 
-PARSE_INLINE_BYTES = 2**16  # bodies up to this size are parsed on the event loop; larger ones in a thread
+PARSE_INLINE_BYTES = 2**16  # bodies up to this size are parsed on the event loop; larger ones in a thread,
+PARSE_THREADS = 2  # so many at a time (each may hold a few hundred thousand prompts while it checks them)
 
 
 def create_app(w: GPT2Weights, tokenizer: Tokenizer, *, model_name: str = "gpt2", max_batch: int = 16,
@@ -74,6 +75,7 @@ class Routes:
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, engine.w.config
         self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
         self.created = int(time.time())
+        self._parsing = asyncio.Semaphore(PARSE_THREADS)
 
     def authorised(self, request) -> None:
         if self.api_key is None:
@@ -113,7 +115,11 @@ class Routes:
         self.authorised(request)
         body = await self.read_body(request)
         # a large body (many prompts, long texts) is parsed and tokenised off the event loop
-        r = self.parse(body) if len(body) <= PARSE_INLINE_BYTES else await asyncio.to_thread(self.parse, body)
+        if len(body) <= PARSE_INLINE_BYTES:
+            r = self.parse(body)
+        else:
+            async with self._parsing:
+                r = await asyncio.to_thread(self.parse, body)
         del body
         job = Job(r, asyncio.get_running_loop())
         try:
@@ -131,6 +137,8 @@ class Routes:
                 whole.add(event)
         finally:
             del job  # nothing here keeps the job (an exception's traceback holds this frame)
+        if not whole.complete:  # the client went away (nginx's 499): nobody reads this
+            raise ApiError(499, "the client closed the connection before the response")
         return whole.response()
 
     async def _events(self, job: Job, request=None):

@@ -228,7 +228,6 @@ class Engine:
         """A sequence leaves: out of the batch (its cache freed there) and out of its choice."""
         if sequence in self.batch.sequences:
             self.batch.remove(sequence)
-        sequence.cache = None
         _, choice = self._owner.pop(sequence)
         choice.sequence = None
 

@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 
-from ..forward import prefill
+from ..forward import _forward, _logits_head, _prompt
 from ..kvcache import ModelCache
 from ..tokenizer import Tokenizer
 from ..weights import GPT2Weights
@@ -32,14 +32,19 @@ class Piece:
     lengths: tuple[int, ...]  # characters of each token's text: text_offset steps by them
 
 
+def join(pieces: list[Piece]) -> Piece:
+    """One piece of consecutive pieces."""
+    return Piece(*(", ".join(getattr(p, name) for p in pieces) for name in ("tokens", "token_logprobs",
+                                                                         "top_logprobs")),
+                 tuple(n for p in pieces for n in p.lengths))
+
+
 def as_json(pieces: list[Piece], start: int) -> str:
     """OpenAI's logprobs object over a choice's pieces, in order; text offsets counted from ``start``."""
-    lengths = [n for piece in pieces for n in piece.lengths]
-    offsets = itertools.accumulate(lengths[:-1], initial=start) if lengths else ()
-    tokens, token_logprobs, top_logprobs = (", ".join(getattr(p, name) for p in pieces)
-                                            for name in ("tokens", "token_logprobs", "top_logprobs"))
-    return (f'{{"tokens": [{tokens}], "token_logprobs": [{token_logprobs}], "top_logprobs": [{top_logprobs}], '
-            f'"text_offset": [{", ".join(map(str, offsets))}]}}')
+    whole = join(pieces)
+    offsets = itertools.accumulate(whole.lengths[:-1], initial=start) if whole.lengths else ()
+    return (f'{{"tokens": [{whole.tokens}], "token_logprobs": [{whole.token_logprobs}], '
+            f'"top_logprobs": [{whole.top_logprobs}], "text_offset": [{", ".join(map(str, offsets))}]}}')
 
 
 class Logprobs:
@@ -71,14 +76,21 @@ class Logprobs:
         return Piece(_items(texts), _items(chosen), _items(top), tuple(map(len, texts)))
 
     def prompt(self, ids: list[int], k: int) -> Piece:
-        """Echo: each prompt token's log-probability given those before it (null for the first)."""
+        """Echo: each prompt token's log-probability given those before it (null for the first).
+
+        One forward pass over the prompt, whose head turns LOGPROB_ROWS rows at a time into logits and
+        then log-probabilities (as scoring.py's head does): no (T, vocab) array, 200 MB for 1,000 tokens."""
         first = Piece(_items([self.text(ids[0])]), "null", "null", (len(self.text(ids[0])),))
         if len(ids) == 1:
             return first
-        logits = prefill(ids, self.w, ModelCache(self.w.config, max_len=len(ids)), logits="all")  # (T, vocab)
-        rest = self.rows(logits[:-1], ids[1:], k)
-        return Piece(*(f"{a}, {b}" for a, b in zip(dataclasses.astuple(first)[:3], dataclasses.astuple(rest)[:3])),
-                     first.lengths + rest.lengths)
+        mc = ModelCache(self.w.config, max_len=len(ids))
+        logits = _logits_head(self.w)
+
+        def head(h: np.ndarray, chunks: int) -> list[Piece]:  # h: (T, n_embd), every position after ln_f
+            return [self.rows(logits(h[r0:min(r0 + LOGPROB_ROWS, len(ids) - 1)], chunks),
+                              ids[r0 + 1:r0 + 1 + LOGPROB_ROWS], k) for r0 in range(0, len(ids) - 1, LOGPROB_ROWS)]
+
+        return join([first, *_forward([_prompt(ids, self.w, mc, "")], self.w, [mc], head, every_row=True)])
 
 
 def _items(values: list) -> str:

@@ -54,6 +54,10 @@ class Whole:
             logprobs = as_json(self._pieces.pop(i, []), 0) if self.r.logprobs is not None else "null"
             self._done[i] = choice_json(i, "".join(self._text.pop(i, [])), logprobs, reason).encode()
 
+    @property
+    def complete(self) -> bool:
+        return all(choice is not None for choice in self._done)
+
     def response(self) -> StreamingResponse:
         """The response, sent a choice at a time (with its length: no chunked encoding)."""
         head = json.dumps(self.head)[:-1].encode()
