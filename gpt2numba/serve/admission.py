@@ -57,13 +57,18 @@ def response_bytes(prompt_lengths: list[int], n: int, max_tokens: int, logprobs:
     return per_token * tokens
 
 
+def check_choices(limits: Limits, prompts: int, n: int) -> None:
+    """Refused(400) for more than --max-choices choices (prompts x n) in one request."""
+    if prompts * n > limits.max_choices:
+        raise Refused(400, f"this request asks for {prompts * n} choices ({prompts} prompts x n = {n}); "
+                      f"the server allows {limits.max_choices} per request (--max-choices)", "n")
+
+
 def check_size(limits: Limits, prompt_lengths: list[int], n: int, max_tokens: int, logprobs: int | None,
                echo: bool) -> None:
     """Refused(400) for a request over a per-request limit, whatever the load."""
+    check_choices(limits, len(prompt_lengths), n)
     choices = len(prompt_lengths) * n
-    if choices > limits.max_choices:
-        raise Refused(400, f"this request asks for {choices} choices ({len(prompt_lengths)} prompts x n = {n}); "
-                      f"the server allows {limits.max_choices} per request (--max-choices)", "n")
     size = response_bytes(prompt_lengths, n, max_tokens, logprobs, echo)
     if size > limits.max_response_mb * 2**20:
         raise Refused(400, f"the response would be about {size / 2**20:.0f} MB ({choices} choices of up to "

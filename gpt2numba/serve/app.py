@@ -28,7 +28,7 @@ from starlette.routing import Route
 from .. import checks
 from ..tokenizer import Tokenizer
 from ..weights import GPT2Weights
-from .admission import Limits, Refused, check_size
+from .admission import Limits, Refused, check_choices, check_size
 from .engine import Engine, Job
 from .requests import MAX_LOGPROBS, MAX_STOPS, ApiError, checked_ids, parse_completion
 from .responses import Chunks, Whole, json_response
@@ -103,9 +103,12 @@ class Routes:
 
     def parse(self, body: bytes):
         """A completions body, checked against the request's fields and the server's per-request limits."""
-        cfg = self.cfg
-        r = parse_completion(_json(body), self.tokenizer, cfg.n_positions, cfg.vocab_size)
+        cfg, body = self.cfg, _json(body)
         try:
+            prompt, n = (body.get("prompt"), body.get("n", 1)) if isinstance(body, dict) else (None, None)
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and isinstance(n, int):
+                check_choices(self.engine.limits, len(prompt), n)  # before checking (or tokenising) each prompt
+            r = parse_completion(body, self.tokenizer, cfg.n_positions, cfg.vocab_size)
             check_size(self.engine.limits, [len(ids) for ids in r.prompts], r.n, r.max_tokens, r.logprobs, r.echo)
         except Refused as e:
             raise ApiError(e.status, e.message, e.param) from None
