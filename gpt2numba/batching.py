@@ -48,7 +48,7 @@ class Sequence:
     sampler: object  # sample.Sampler: (logits (vocab,), ids so far, rng) -> token id
     rng: np.random.Generator
     stop_at_eos: bool
-    cache: ModelCache
+    cache: ModelCache | None  # None once the sequence has left its batch
     prompt_len: int = field(init=False)
     feed: list[int] = field(init=False)  # what the next pass feeds: the prompt, then the last token
     shared: SharedPrompt | None = None  # its prompt's rows come from the leader of this, if not fed
@@ -109,11 +109,13 @@ class Batch:
             shared.leader = waiting[0] if waiting else None
             if waiting:
                 waiting[0].feed = list(waiting[0].ids)
+        seq.cache = None  # whoever still holds the sequence, its memory is free
 
     def step(self) -> list[tuple[Sequence, int, bool, np.ndarray]]:
         """One forward pass over every sequence: (sequence, its new token, whether it is done, its logits).
 
-        A row of logits (vocab,) is valid until the next step. A done sequence has left the batch.
+        A row of logits (vocab,) is valid until the next step. A done sequence has left the batch, and
+        its cache is gone (cache None).
         """
         seqs = list(self.sequences)
         if not seqs:
@@ -138,7 +140,7 @@ class Batch:
             seq.ids.append(token)
             done = (seq.stop_at_eos and token == EOT_ID) or seq.new_tokens == seq.max_new_tokens
             if done:
-                self.sequences.remove(seq)
+                self.remove(seq)
             else:
                 seq.feed = [token]
             out.append((seq, token, done, row))

@@ -99,8 +99,26 @@ def main(argv: list[str] | None = None) -> int:
                        help="sequences in flight at once (default 16)")
     serve.add_argument("--max-queue", type=_at_least(1), default=64, metavar="N",
                        help="requests waiting beyond those; more get 503 (default 64)")
-    serve.add_argument("--api-key", metavar="KEY",
-                       help="require Authorization: Bearer KEY (default: $GPT2NUMBA_API_KEY, else none)")
+    serve.add_argument("--max-queued-choices", type=_at_least(1), default=1024, metavar="N",
+                       help="choices (prompts x n) waiting, over every request; more get 503 (default 1024)")
+    serve.add_argument("--max-choices", type=_at_least(1), default=256, metavar="N",
+                       help="choices in one request, prompts x n; more get 400 (default 256)")
+    serve.add_argument("--max-response-mb", type=_positive, default=64, metavar="MB",
+                       help="the largest response a request may ask for, estimated from its choices, tokens "
+                       "and log-probabilities; larger get 400 (default 64)")
+    serve.add_argument("--max-connections", type=_at_least(1), default=1024, metavar="N",
+                       help="open connections; one more closes the one idle longest (default 1024)")
+    serve.add_argument("--header-timeout", type=_positive, default=10, metavar="SECONDS",
+                       help="for a request's headers to arrive, else the connection is closed (default 10)")
+    serve.add_argument("--body-timeout", type=_positive, default=30, metavar="SECONDS",
+                       help="for a request's body to arrive after its headers (default 30)")
+    serve.add_argument("--keep-alive-timeout", type=_positive, default=5, metavar="SECONDS",
+                       help="an idle connection is closed after this (default 5)")
+    key = serve.add_mutually_exclusive_group()
+    key.add_argument("--api-key", metavar="KEY",
+                     help="require Authorization: Bearer KEY (default: $GPT2NUMBA_API_KEY, else none)")
+    key.add_argument("--api-key-file", type=Path, metavar="PATH",
+                     help="the same, the key read from a file (not visible in ps)")
     serve.add_argument("--model-name", metavar="NAME", help="the id in /v1/models (default: the checkpoint's name)")
     serve.add_argument("--shutdown-grace", type=_at_least(0), default=5, metavar="SECONDS",
                        help="on Ctrl-C or SIGTERM, how long requests in flight may take to finish (default 5)")
@@ -239,9 +257,27 @@ def _serve(args) -> int:
     w, path, _ = resolve_model(args.model, args.dtype)
     name = args.model_name or (Path(args.model).name.removesuffix(".safetensors") if args.model else "gpt2")
     run(w, load_tokenizer(path), host=args.host, port=args.port, model_name=name, max_batch=args.max_batch,
-        max_queue=args.max_queue, api_key=args.api_key or os.environ.get("GPT2NUMBA_API_KEY"),
-        shutdown_grace=args.shutdown_grace)
+        max_queue=args.max_queue, max_queued_choices=args.max_queued_choices, max_choices=args.max_choices,
+        max_response_mb=args.max_response_mb, max_connections=args.max_connections,
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+        keep_alive_timeout=args.keep_alive_timeout, api_key=_api_key(args), shutdown_grace=args.shutdown_grace)
     return 0
+
+
+def _api_key(args) -> str | None:
+    """--api-key, else --api-key-file's first line, else $GPT2NUMBA_API_KEY, else None; an empty key is
+    an error (it would turn authentication off without a word)."""
+    if args.api_key is not None:
+        key, where = args.api_key, "--api-key"
+    elif args.api_key_file is not None:
+        key, where = args.api_key_file.read_text().strip(), f"--api-key-file {args.api_key_file}"
+    elif "GPT2NUMBA_API_KEY" in os.environ:
+        key, where = os.environ["GPT2NUMBA_API_KEY"], "$GPT2NUMBA_API_KEY"
+    else:
+        return None
+    if not key.strip():
+        raise ConfigError(f"the API key from {where} is empty: give a key, or none for no authentication")
+    return key
 
 
 def _score(args) -> int:
@@ -407,6 +443,16 @@ def _check(args) -> int:
 def _compare(logits, ids, w) -> tuple[float, bool]:
     ref = recompute_logits(ids, w)
     return float(np.abs(logits - ref).max()), agreement(logits, ref, w.dtype)[0]
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
 
 
 def _at_least(low: int):

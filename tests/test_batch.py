@@ -273,3 +273,18 @@ def test_interrupted_batch_leaves_every_cache(tiny, two, monkeypatch, step):
 def test_bad_generate_batch(tiny, prompts, options, error, match):
     with pytest.raises(error, match=match):
         g.generate_batch(prompts, tiny, **{"max_new_tokens": 5, **options})
+
+
+def test_a_sequence_that_leaves_drops_its_cache(tiny):
+    """Done or removed, a sequence holds no cache, whoever still holds the sequence (the server's requests
+    may outlive their sequences). Catches a batch that keeps the cache with the sequence."""
+    from gpt2numba.batching import Batch
+
+    batch = Batch(tiny, 2)
+    done = batch.add([1, 2], max_new_tokens=1, sampler=g.Sampler(0.0), rng=np.random.default_rng(0))
+    removed = batch.add([3], max_new_tokens=5, sampler=g.Sampler(0.0), rng=np.random.default_rng(0))
+    assert done.cache is not None and removed.cache is not None
+    batch.step()
+    assert done not in batch.sequences and done.cache is None
+    batch.remove(removed)
+    assert removed.cache is None and not batch.sequences

@@ -4,6 +4,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import os
+import resource
 import signal
 import socket
 import subprocess
@@ -36,7 +38,9 @@ def wait_until(condition, what: str, timeout: float = 300):
 
 
 class Server:
-    def __init__(self, tmp: Path, *extra):
+    def __init__(self, tmp: Path, *extra, key=("--api-key", KEY), env=None, open_files=None):
+        """extra: more flags; key: the flags that give the key; env: the environment; open_files: a limit on
+        the server's open files (RLIMIT_NOFILE, soft and hard)."""
         self.model = tmp / "model"
         if not self.model.exists():
             write_dir(g.random_weights(CONFIG, seed=5), self.model)
@@ -47,8 +51,10 @@ class Server:
         self.log = tmp / f"server-{port}.log"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "gpt2numba", "serve", "--model", str(self.model), "--port", str(port),
-             "--threads", "2", "--api-key", KEY, *extra],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+             "--threads", "2", *key, *extra],
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env,
+            preexec_fn=None if open_files is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                                                   (open_files, open_files)))
         deadline = time.monotonic() + 600  # a cold start compiles; CI shares its machine
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log.read_text()

@@ -8,13 +8,16 @@ The HTTP handlers only check, submit and await: one engine thread owns the weigh
 and runs one forward pass a step over every sequence in flight (batching.Batch), as
 llama.cpp's server slots and vLLM's engine loop do. A request's sequences join at
 the next step boundary, after their prefill; a client that goes away frees them at
-the next step. Beyond --max-batch sequences, requests wait in a queue of
---max-queue; past that they get 503 with Retry-After.
+the next step, and its caches go with them. Beyond --max-batch sequences, choices wait in a
+queue (--max-queue requests, --max-queued-choices choices) and take free places round-robin across
+requests; past that they get 503 with Retry-After.
 
-Two rooms: engine.py (the thread, admission, steps, stop strings, log-probabilities; no HTTP) and
-app.py (request parsing, the routes, server-sent events; imports Starlette). The names below are
-those gpt2numba.serve has always had; app.py's load on first use, so importing the engine needs no
-web framework.
+No HTTP: engine.py (the thread, steps, stop strings), admission.py (limits, the round-robin queue),
+logprobs.py (OpenAI's log-probabilities as JSON text). HTTP: requests.py (parsing), responses.py (the
+JSON of a response), app.py (the routes, server-sent events; imports Starlette), connections.py and
+server.py (uvicorn: read deadlines, a cap on connections, the shutdown). The names below are those
+gpt2numba.serve has always had; app.py's load on first use, so importing the engine needs no web
+framework.
 """
 
 from .engine import LOGPROB_ROWS, Completion, Engine, Job, QueueFull
@@ -25,6 +28,10 @@ __all__ = ["Completion", "Engine", "Job", "QueueFull", "LOGPROB_ROWS", *_APP]
 
 
 def __getattr__(name: str):
+    if name == "run":
+        from .server import run
+
+        return run
     if name in _APP:
         from . import app
 

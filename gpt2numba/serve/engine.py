@@ -1,16 +1,18 @@
 """The serving engine: one thread owns the weights and the batch (no HTTP here).
 
-Requests come in as checked Completions inside Jobs; the engine thread admits their sequences
-into a batching.Batch at step boundaries, runs one forward pass a step over every sequence in
-flight, cuts text at stop strings, computes OpenAI's log-probabilities, and hands each step's
-events to the requests' event loops. A test or another front end drives it without a web framework
-(app.py is the HTTP one).
+Requests come in as checked Completions inside Jobs; the engine thread admits their choices into a
+batching.Batch at step boundaries (round-robin across requests: admission.py), runs one forward pass a
+step over every sequence in flight, cuts text at stop strings, computes OpenAI's log-probabilities
+(logprobs.py), and hands each step's events to the requests' event loops. A test or another front end
+drives it without a web framework (app.py is the HTTP one).
+
+Memory follows the batch: nothing is built for a choice until it starts, and a sequence's cache goes
+the moment it leaves (finished, cancelled or failed), whoever still holds the job.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import threading
@@ -24,11 +26,20 @@ from ..kvcache import ModelCache
 from ..sample import Sampler
 from ..tokenizer import Tokenizer
 from ..weights import GPT2Weights
+from .admission import Limits, QueueFull, Waiting
+from .logprobs import LOGPROB_ROWS, Logprobs, Piece
 
 log = logging.getLogger("gpt2numba.serve")
 
-LOGPROB_ROWS = 64  # echo: prompt rows turned into log-probabilities at a time (float64)
+__all__ = ["Completion", "Engine", "Job", "LOGPROB_ROWS", "QueueFull"]
 
+SHUTTING_DOWN = "the server is shutting down"
+
+# Prompt rows a step may prefill beyond its decode rows (one prompt at least, whatever its length): a request of many
+# long prompts starts over several steps, so the other sequences' next tokens wait one step of this size,
+# not one of 16 x 1,000 rows (24 s), and the forward pass's workspace (sized by the largest step, kept
+# for the next) stays near 1,000 rows, not 16,000 (490 MB). vLLM's max_num_batched_tokens, in spirit.
+PREFILL_ROWS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +59,9 @@ class Completion:
     ignore_eos: bool
 
 
-
-class QueueFull(Exception):
-    pass
-
-
 @dataclasses.dataclass(eq=False)
 class _Choice:
-    """One sequence of a request, as the engine thread sees it."""
+    """One sequence of a request, as the engine thread sees it from its start to its end."""
 
     index: int  # OpenAI's choice index: prompt index x n + j
     prompt: int  # index into the request's prompts
@@ -68,21 +74,22 @@ class _Choice:
 class Job:
     """A request inside the server. The engine thread queues events in ``outbox``; the handler awaits them.
 
-    Events: ("text", choice, text, logprobs or None) and ("finish", choice, reason), then ("done",)
-    once every choice has finished, or ("error", message) when the engine gives up on it.
+    Events: ("text", choice, text, logprobs.Piece or None) and ("finish", choice, reason, tokens), then
+    ("done",) once every choice has finished, or ("error", message, status) when the engine gives up on it.
+    Its choices are counted, not built: choice i (prompt i // n) exists only from its start to its end.
     """
 
-    def __init__(self, request: Completion, loop: asyncio.AbstractEventLoop, tokenizer: Tokenizer):
+    def __init__(self, request: Completion, loop: asyncio.AbstractEventLoop):
         self.request, self.loop = request, loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
-        # choice p x n + j: prompt p's j-th, with a text decoder of its own
-        self.choices = [_Choice(p * request.n + j, p, tokenizer.stream_decoder())
-                        for p in range(len(request.prompts)) for j in range(request.n)]
-        self.unfinished = len(self.choices)
-        self.started = time.perf_counter()
+        self.choices = len(request.prompts) * request.n
+        self.started = 0  # choices started, in index order (admission.Waiting counts them)
+        self.unfinished = self.choices
+        self.tokens = 0  # tokens out, over every choice
+        self.since = time.perf_counter()
         self.outbox: list[tuple] = []  # events not yet handed to the event loop (the engine thread's)
-        self.echoed: dict[int, tuple] = {}  # prompt index -> its echo (text, logprobs), for its n choices
+        self.echoed: dict[int, tuple] = {}  # prompt -> its echo (text, Piece), until its n-th choice starts
 
 
 def _deliver(items: list[tuple[Job, list[tuple]]]) -> None:
@@ -95,13 +102,15 @@ def _deliver(items: list[tuple[Job, list[tuple]]]) -> None:
 class Engine:
     """Runs in its own thread: admits waiting choices into the batch, steps it, and reports each token."""
 
-    def __init__(self, w: GPT2Weights, tokenizer: Tokenizer, max_batch: int, max_queue: int):
-        self.w, self.tokenizer, self.max_queue = w, tokenizer, max_queue
+    def __init__(self, w: GPT2Weights, tokenizer: Tokenizer, max_batch: int, limits: Limits | None = None):
+        self.w, self.tokenizer = w, tokenizer
+        self.limits = limits or Limits()
         self.batch = Batch(w, max_batch)
-        self._waiting: collections.deque[tuple[Job, _Choice]] = collections.deque()
+        self.logprobs = Logprobs(w, tokenizer)
+        self.waiting = Waiting(self.limits)
         self._owner: dict[Sequence, tuple[Job, _Choice]] = {}
         self._wake = threading.Condition()
-        self._stopping = False
+        self._stopping = self._draining = False
         self._ready = threading.Event()
         self._emitted: list[Job] = []  # jobs with events in their outbox
         # Every kernel runs on this one thread, the warm-up too: libgomp gives each thread that opens
@@ -116,11 +125,11 @@ class Engine:
         self._ready.wait()
 
     def submit(self, job: Job) -> None:
-        """Queue a request's choices; QueueFull when --max-queue requests are waiting already."""
+        """Queue a request's choices; QueueFull (its message names the limit) if the queue cannot take them."""
         with self._wake:
-            if self.queued >= self.max_queue:
-                raise QueueFull
-            self._waiting.extend((job, choice) for choice in job.choices)
+            if self._draining or self._stopping:
+                raise QueueFull(f"{SHUTTING_DOWN}; retry on another server")
+            self.waiting.add(job)
             self._wake.notify()
 
     def cancel(self, job: Job) -> None:
@@ -129,7 +138,15 @@ class Engine:
         with self._wake:
             self._wake.notify()
 
+    def drain(self) -> None:
+        """Shutting down: take no new request, and fail (503) those with no choice started yet; requests
+        under way go on, their later choices too."""
+        with self._wake:
+            self._draining = True
+            self._wake.notify()
+
     def stop(self) -> None:
+        """Fail (503) every request left, and end the thread."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -137,9 +154,14 @@ class Engine:
             self._thread.join()
 
     @property
+    def busy(self) -> bool:
+        """A request is in flight or waiting."""
+        return bool(self._owner) or len(self.waiting) > 0
+
+    @property
     def queued(self) -> int:
         """Requests with a choice not yet started."""
-        return len({id(job) for job, _ in list(self._waiting)})
+        return len(self.waiting)
 
     @property
     def active(self) -> int:
@@ -158,29 +180,36 @@ class Engine:
             self._warm_up()
         finally:
             self._ready.set()
-        while True:
-            with self._wake:
-                while not (self._stopping or self._waiting or self.batch.sequences):
-                    self._wake.wait()
-                if self._stopping:
-                    break
-            self._drop_cancelled()
-            self._admit()
-            try:
-                steps = self.batch.step()
-            except Exception as e:  # a bug, not a bad request: those were refused before queueing
-                log.exception("engine step failed")
-                for job in {job for job, _ in self._owner.values()}:
-                    self._fail(job, f"internal error: {type(e).__name__}: {e}")
-                self._flush()
-                continue
-            for sequence, token, done, row in steps:
-                job, choice = self._owner[sequence]
-                self._on_token(job, choice, token, done, row)
-            self._flush()
-        for job in {job for job, _ in [*self._owner.values(), *self._waiting]}:
-            self._fail(job, "the server is shutting down")
+        while self._next_step():
+            pass
+        jobs = {job for job, _ in self._owner.values()} | set(self.waiting.remove(lambda job: False))
+        for job in jobs:
+            self._fail(job, SHUTTING_DOWN, 503)
         self._flush()
+
+    def _next_step(self) -> bool:
+        """Wait for work, then admit and run one step; False once stopping. (A method, so that nothing of
+        the step, a sequence or a row of logits, stays referenced while the thread waits.)"""
+        with self._wake:
+            while not (self._stopping or len(self.waiting) or self.batch.sequences):
+                self._wake.wait()
+            if self._stopping:
+                return False
+        self._drop_cancelled()
+        self._admit()
+        try:
+            steps = self.batch.step()
+        except Exception as e:  # a bug, not a bad request: those were refused before queueing
+            log.exception("engine step failed")
+            for job in {job for job, _ in self._owner.values()}:
+                self._fail(job, f"internal error: {type(e).__name__}: {e}")
+            self._flush()
+            return True
+        for sequence, token, done, row in steps:
+            job, choice = self._owner[sequence]
+            self._on_token(job, choice, token, done, row)
+        self._flush()
+        return True
 
     def _emit(self, job: Job, *event) -> None:
         if not job.outbox:
@@ -201,34 +230,53 @@ class Engine:
                 for job, _ in items:
                     job.cancelled = True
 
+    def _leave(self, sequence: Sequence) -> None:
+        """A sequence leaves: out of the batch (its cache freed there) and out of its choice."""
+        if sequence in self.batch.sequences:
+            self.batch.remove(sequence)
+        _, choice = self._owner.pop(sequence)
+        choice.sequence = None
+
     def _drop_cancelled(self) -> None:
         for sequence, (job, _) in list(self._owner.items()):
             if job.cancelled:
-                self.batch.remove(sequence)
-                del self._owner[sequence]
+                self._leave(sequence)
         with self._wake:
-            self._waiting = collections.deque((job, c) for job, c in self._waiting if not job.cancelled)
+            self.waiting.remove(lambda job: not job.cancelled)
+            unstarted = self.waiting.remove(lambda job: job.started > 0) if self._draining else []
+        for job in unstarted:
+            self._fail(job, SHUTTING_DOWN, 503)
 
     def _admit(self) -> None:
-        """Waiting choices into free places of the batch; echo's prompt log-probabilities on the way."""
+        """Waiting choices into free places of the batch, round-robin, up to PREFILL_ROWS prompt rows a step
+        (or one prompt); echo's log-probabilities on the way."""
+        rows = 0
         while not self.batch.full:
             with self._wake:
-                if not self._waiting:
+                head = self.waiting.peek()
+                if head is None:
                     return
-                job, choice = self._waiting.popleft()
+                job, index = head
+                length = len(job.request.prompts[index // job.request.n])
+                if rows and rows + length > PREFILL_ROWS:  # it starts at the next step
+                    return
+                rows += length
+                self.waiting.take()
             try:
-                self._start(job, choice)
+                self._start(job, index)
             except Exception as e:  # a bug: this request fails, the others go on
                 log.exception("starting a request failed")
                 self._fail(job, f"internal error: {type(e).__name__}: {e}")
 
-    def _start(self, job: Job, choice: _Choice) -> None:
+    def _start(self, job: Job, index: int) -> None:
         r = job.request
+        choice = _Choice(index, index // r.n, self.tokenizer.stream_decoder())
         ids = r.prompts[choice.prompt]
         if r.echo:
             if choice.prompt not in job.echoed:  # once for the n choices of a prompt, whenever they start
                 job.echoed[choice.prompt] = (self.tokenizer.decode(ids), self._prompt_logprobs(ids, r.logprobs))
-            self._emit(job, "text", choice.index, *job.echoed[choice.prompt])
+            echo = job.echoed[choice.prompt] if index % r.n < r.n - 1 else job.echoed.pop(choice.prompt)
+            self._emit(job, "text", choice.index, *echo)
         if r.max_tokens == 0:
             self._finish(job, choice, "length")
             return
@@ -240,7 +288,8 @@ class Engine:
     def _on_token(self, job: Job, choice: _Choice, token: int, done: bool, row: np.ndarray) -> None:
         r = job.request
         choice.tokens += 1
-        logprobs = self._logprobs(row[None], [token], r.logprobs) if r.logprobs is not None else None
+        job.tokens += 1
+        logprobs = self.logprobs.rows(row[None], [token], r.logprobs) if r.logprobs is not None else None
         eos = token == self.tokenizer.eot_id and not r.ignore_eos
         text = choice.held + ("" if eos else choice.decode(token))
         if done:
@@ -248,15 +297,13 @@ class Engine:
         cut = min((i for i in (text.find(s) for s in r.stop) if i >= 0), default=-1)
         if cut >= 0:  # a stop string: the text ends before it
             text, done, reason = text[:cut], True, "stop"
-            if choice.sequence in self.batch.sequences:
-                self.batch.remove(choice.sequence)
         else:
             reason = "stop" if eos else "length"
             keep = 0 if done else _stop_prefix(text, r.stop)
             text, choice.held = text[:len(text) - keep], text[len(text) - keep:]
         self._emit(job, "text", choice.index, text, logprobs)
         if done:
-            del self._owner[choice.sequence]
+            self._leave(choice.sequence)
             self._finish(job, choice, reason)
 
     def _finish(self, job: Job, choice: _Choice, reason: str) -> None:
@@ -265,45 +312,21 @@ class Engine:
         if job.unfinished == 0:
             self._emit(job, "done")
 
-    def _fail(self, job: Job, message: str) -> None:
+    def _fail(self, job: Job, message: str, status: int = 500) -> None:
         for sequence, (owner, _) in list(self._owner.items()):
             if owner is job:
-                if sequence in self.batch.sequences:
-                    self.batch.remove(sequence)
-                del self._owner[sequence]
+                self._leave(sequence)
         with self._wake:
-            self._waiting = collections.deque((j, c) for j, c in self._waiting if j is not job)
-        self._emit(job, "error", message)
+            self.waiting.remove(lambda waiting: waiting is not job)
+        job.echoed.clear()
+        self._emit(job, "error", message, status)
 
-    def _prompt_logprobs(self, ids: list[int], k: int | None) -> dict | None:
-        """Echo: each prompt token's log-probability given those before it (None for the first)."""
-        if k is None:
-            return None
-        logits = prefill(ids, self.w, ModelCache(self.w.config, max_len=len(ids)), logits="all")  # (T, vocab)
-        rows = self._logprobs(logits[:-1], ids[1:], k)
-        first = self.tokenizer.decode(ids[:1])
-        return {"tokens": [first, *rows["tokens"]], "token_logprobs": [None, *rows["token_logprobs"]],
-                "top_logprobs": [None, *rows["top_logprobs"]]}
-
-    def _logprobs(self, logits: np.ndarray, tokens: list[int], k: int) -> dict:
-        """OpenAI's logprobs lists for rows of logits (R, vocab) and the token chosen after each."""
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
-        decode = self.tokenizer.decode
-        for r0 in range(0, len(tokens), LOGPROB_ROWS):
-            z = logits[r0:r0 + LOGPROB_ROWS].astype(np.float64)  # (rows, vocab)
-            peak = z.max(axis=1, keepdims=True)
-            z -= peak + np.log(np.exp(z - peak).sum(axis=1, keepdims=True))  # log-softmax
-            for row, token in zip(z, tokens[r0:r0 + LOGPROB_ROWS]):
-                out["tokens"].append(decode([token]))
-                out["token_logprobs"].append(float(row[token]))
-                top = np.argpartition(-row, k - 1)[:k] if k else np.zeros(0, np.int64)
-                top = top[np.lexsort((top, -row[top]))]
-                out["top_logprobs"].append({decode([int(t)]): float(row[t]) for t in top})
-        return out
+    def _prompt_logprobs(self, ids: list[int], k: int | None) -> Piece | None:
+        """Echo: each prompt token's log-probability given those before it; None without logprobs."""
+        return None if k is None else self.logprobs.prompt(ids, k)
 
 
 def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest end of ``text`` that begins a stop string: held back until the next token."""
     return max((n for s in stops for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])),
                default=0)
-

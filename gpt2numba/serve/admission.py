@@ -1,0 +1,129 @@
+"""What a request may cost, and the order in which waiting requests get places in the batch.
+
+Limits count what costs: the choices of a request (prompts x n), the choices waiting in the queue, and
+the size of the response. A request over a per-request limit is refused (400) whatever the load; one
+that would overfill the queue is turned away for now (503, Retry-After). Every refusal names the limit
+and the command-line flag that sets it.
+
+Waiting requests take free places in the batch round-robin, one choice at a time: a request of one
+choice that arrives behind one of 128 starts at the next free place, not after the 128 (llama.cpp's
+server gives each request a slot, vLLM's scheduler a budget per step; this is the same fairness for a
+batch of whole sequences). The engine calls these under its lock; no HTTP here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_queue: int = 64  # requests waiting with a choice not yet started
+    max_choices: int = 256  # choices in one request: prompts x n
+    max_queued_choices: int = 1024  # choices waiting, over every request
+    max_response_mb: float = 64.0  # the estimate of one response's JSON (response_bytes)
+
+    def __post_init__(self):
+        if self.max_choices > self.max_queued_choices:  # such a request could never be queued
+            raise ValueError(f"max_choices ({self.max_choices}) must be at most max_queued_choices "
+                             f"({self.max_queued_choices})")
+
+
+# Bytes of JSON per token of a response, generous: the text, and with log-probabilities the token, its
+# log-probability, its offset, and each alternative ("token": -1.2345678901234567). Measured with
+# GPT-2 small: 610 bytes a token with 20 alternatives, against 8 + 48 + 20 x 40 = 856 here.
+TEXT_BYTES, LOGPROB_BYTES, ALTERNATIVE_BYTES = 8, 48, 40
+
+
+class Refused(Exception):
+    """A request over a limit: status 400 (never acceptable) or 503 (not now); param: the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+class QueueFull(Refused):
+    def __init__(self, message: str = "the queue is full"):
+        super().__init__(503, message)
+
+
+def response_bytes(prompt_lengths: list[int], n: int, max_tokens: int, logprobs: int | None, echo: bool) -> int:
+    """An upper estimate of a response's JSON: every choice's tokens (the echoed prompt's too) times the
+    bytes of a token with its log-probabilities."""
+    per_token = TEXT_BYTES + (0 if logprobs is None else LOGPROB_BYTES + ALTERNATIVE_BYTES * logprobs)
+    tokens = n * (len(prompt_lengths) * max_tokens + (sum(prompt_lengths) if echo else 0))
+    return per_token * tokens
+
+
+def check_choices(limits: Limits, prompts: int, n: int) -> None:
+    """Refused(400) for more than --max-choices choices (prompts x n) in one request."""
+    if prompts * n > limits.max_choices:
+        raise Refused(400, f"this request asks for {prompts * n} choices ({prompts} prompts x n = {n}); "
+                      f"the server allows {limits.max_choices} per request (--max-choices)", "n")
+
+
+def check_size(limits: Limits, prompt_lengths: list[int], n: int, max_tokens: int, logprobs: int | None,
+               echo: bool) -> None:
+    """Refused(400) for a request over a per-request limit, whatever the load."""
+    check_choices(limits, len(prompt_lengths), n)
+    choices = len(prompt_lengths) * n
+    size = response_bytes(prompt_lengths, n, max_tokens, logprobs, echo)
+    if size > limits.max_response_mb * 2**20:
+        raise Refused(400, f"the response would be about {size / 2**20:.0f} MB ({choices} choices of up to "
+                      f"{max_tokens} tokens{', the prompt echoed' if echo else ''}"
+                      f"{f', {logprobs} alternatives a token' if logprobs else ''}); the server allows "
+                      f"{limits.max_response_mb:g} MB (--max-response-mb): ask for fewer choices, tokens or "
+                      f"log-probabilities", "max_tokens")
+
+
+class Waiting:
+    """Requests with choices not yet started, taken round-robin. A job counts its own choices:
+    ``choices`` (all of them) and ``started``; nothing is built per choice until it starts."""
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self._jobs: collections.deque = collections.deque()
+        self.choices = 0  # choices waiting, over every job
+
+    def __len__(self) -> int:
+        """Requests waiting: each with at least one choice not yet started."""
+        return len(self._jobs)
+
+    def add(self, job) -> None:
+        """Queue a job's choices; QueueFull (naming the limit and its flag) if the queue cannot take them."""
+        waiting = job.choices - job.started
+        if len(self._jobs) >= self.limits.max_queue:
+            raise QueueFull(f"the server is busy: {len(self._jobs)} requests are waiting already, the most it "
+                            f"queues (--max-queue); retry later")
+        if self.choices + waiting > self.limits.max_queued_choices:
+            raise QueueFull(f"the server is busy: {self.choices} choices are waiting and this request adds "
+                            f"{waiting}, over the {self.limits.max_queued_choices} it queues "
+                            f"(--max-queued-choices); retry later")
+        self._jobs.append(job)
+        self.choices += waiting
+
+    def peek(self):
+        """(job, choice index) of the choice take() would return; None if none waits."""
+        return (self._jobs[0], self._jobs[0].started) if self._jobs else None
+
+    def take(self):
+        """(job, choice index) of the next choice to start, round-robin over the jobs; None if none waits."""
+        if not self._jobs:
+            return None
+        job = self._jobs.popleft()
+        index = job.started
+        job.started += 1
+        self.choices -= 1
+        if job.started < job.choices:
+            self._jobs.append(job)  # its next choice after every other request's
+        return job, index
+
+    def remove(self, keep) -> list:
+        """Drop the jobs for which keep(job) is false; returns them."""
+        dropped = [job for job in self._jobs if not keep(job)]
+        if dropped:
+            self._jobs = collections.deque(job for job in self._jobs if keep(job))
+            self.choices -= sum(job.choices - job.started for job in dropped)
+        return dropped

@@ -1,0 +1,97 @@
+"""OpenAI's log-probabilities, computed on the engine thread and kept as JSON text.
+
+A Piece holds the four lists of OpenAI's ``logprobs`` object for some consecutive tokens, each already
+serialised (the items without their brackets), and each token's length for ``text_offset``. A response
+joins pieces without parsing or serialising them again: an echoed prompt's piece is computed and
+serialised once, however many choices repeat it, and the event loop only concatenates text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+
+import numpy as np
+
+from ..forward import _forward, _logits_head, _prompt
+from ..kvcache import ModelCache
+from ..tokenizer import Tokenizer
+from ..weights import GPT2Weights
+
+LOGPROB_ROWS = 64  # rows of logits turned into log-probabilities at a time (float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Log-probabilities of consecutive tokens: JSON items of each of OpenAI's lists (no brackets)."""
+
+    tokens: str  # '"The", " cat"'
+    token_logprobs: str  # 'null, -2.5'
+    top_logprobs: str  # 'null, {" cat": -2.5, " dog": -3.0}'
+    lengths: tuple[int, ...]  # characters of each token's text: text_offset steps by them
+
+
+def join(pieces: list[Piece]) -> Piece:
+    """One piece of consecutive pieces."""
+    return Piece(*(", ".join(getattr(p, name) for p in pieces) for name in ("tokens", "token_logprobs",
+                                                                         "top_logprobs")),
+                 tuple(n for p in pieces for n in p.lengths))
+
+
+def as_json(pieces: list[Piece], start: int) -> str:
+    """OpenAI's logprobs object over a choice's pieces, in order; text offsets counted from ``start``."""
+    whole = join(pieces)
+    offsets = itertools.accumulate(whole.lengths[:-1], initial=start) if whole.lengths else ()
+    return (f'{{"tokens": [{whole.tokens}], "token_logprobs": [{whole.token_logprobs}], '
+            f'"top_logprobs": [{whole.top_logprobs}], "text_offset": [{", ".join(map(str, offsets))}]}}')
+
+
+class Logprobs:
+    """Log-softmax over rows of logits and the k best alternatives, as Pieces (one per model)."""
+
+    def __init__(self, w: GPT2Weights, tokenizer: Tokenizer):
+        self.w, self.tokenizer = w, tokenizer
+        self._text: dict[int, str] = {}  # token id -> its text (at most the vocabulary)
+
+    def text(self, token: int) -> str:
+        text = self._text.get(token)
+        if text is None:
+            text = self._text[token] = self.tokenizer.decode([token])
+        return text
+
+    def rows(self, logits: np.ndarray, tokens: list[int], k: int) -> Piece:
+        """The piece for rows of logits (R, vocab) float32 and the token chosen after each."""
+        texts, chosen, top = [], [], []
+        for r0 in range(0, len(tokens), LOGPROB_ROWS):
+            z = logits[r0:r0 + LOGPROB_ROWS].astype(np.float64)  # (rows, vocab)
+            peak = z.max(axis=1, keepdims=True)
+            z -= peak + np.log(np.exp(z - peak).sum(axis=1, keepdims=True))  # log-softmax
+            for row, token in zip(z, tokens[r0:r0 + LOGPROB_ROWS]):
+                texts.append(self.text(token))
+                chosen.append(float(row[token]))
+                best = np.argpartition(-row, k - 1)[:k] if k else np.zeros(0, np.int64)
+                best = best[np.lexsort((best, -row[best]))]
+                top.append({self.text(int(t)): float(row[t]) for t in best})
+        return Piece(_items(texts), _items(chosen), _items(top), tuple(map(len, texts)))
+
+    def prompt(self, ids: list[int], k: int) -> Piece:
+        """Echo: each prompt token's log-probability given those before it (null for the first).
+
+        One forward pass over the prompt, whose head turns LOGPROB_ROWS rows at a time into logits and
+        then log-probabilities (as scoring.py's head does): no (T, vocab) array, 200 MB for 1,000 tokens."""
+        first = Piece(_items([self.text(ids[0])]), "null", "null", (len(self.text(ids[0])),))
+        if len(ids) == 1:
+            return first
+        mc = ModelCache(self.w.config, max_len=len(ids))
+        logits = _logits_head(self.w)
+
+        def head(h: np.ndarray, chunks: int) -> list[Piece]:  # h: (T, n_embd), every position after ln_f
+            return [self.rows(logits(h[r0:min(r0 + LOGPROB_ROWS, len(ids) - 1)], chunks),
+                              ids[r0 + 1:r0 + 1 + LOGPROB_ROWS], k) for r0 in range(0, len(ids) - 1, LOGPROB_ROWS)]
+
+        return join([first, *_forward([_prompt(ids, self.w, mc, "")], self.w, [mc], head, every_row=True)])
+
+
+def _items(values: list) -> str:
+    return json.dumps(values)[1:-1]
