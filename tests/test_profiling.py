@@ -155,6 +155,39 @@ def test_bench_llama(tmp_path):
     assert "llama.cpp Q4_0" in r.stdout
 
 
+def _needs_ct2():
+    for name in ("ctranslate2", "torch", "transformers"):
+        pytest.importorskip(name, reason=f"CTranslate2's benchmark needs {name} (its converter reads a transformers "
+                                         "checkpoint): pip install 'gpt2numba[peers,bench]'")
+
+
+def test_bench_ct2(tmp_path):
+    """CTranslate2 beside us on a conversion of the same tiny model (512 ids: the vocabulary is the ids), both
+    formats, every workload at tiny sizes."""
+    _needs_ct2()
+    write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "ct2.json"
+    r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--ct2", "--model", str(tmp_path / "ckpt"),
+                        "--threads", "1", "--idle-patience", "0", "--ct2-batch-sizes", "1", "3", "--ct2-prompt", "8",
+                        "--ct2-tokens", "4", "--ct2-docs", "5", "--ct2-doc-tokens", "10", "40", "--ct2-repeat", "2",
+                        "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["same_model"] < 1e-4 and report["ctranslate2"].startswith("ctranslate2 ")
+    compact = report["accuracy"]["max_abs_logprob_diff_vs_own_float32"]
+    assert set(compact) == {"gpt2numba int8", "CTranslate2 int8_float32"} and 0 < min(compact.values())
+    systems = {"gpt2numba", "gpt2numba int8", "CTranslate2 float32", "CTranslate2 int8_float32"}
+    assert set(report["generate"]) == {"1", "3"}
+    for B, row in report["generate"].items():
+        assert {name for name, o in row.items() if isinstance(o, dict)} == systems
+        assert all(row[name]["n"] == 2 and row[name]["tokens"] == int(B) * 4 for name in systems)
+        assert row["same_greedy_sequences"] == int(B)  # float32 both: the same greedy tokens
+    score = report["score"]
+    assert len({score[name]["tokens"] for name in systems}) == 1  # every system scored the same tokens
+    assert 5 * 9 <= score["gpt2numba"]["tokens"] <= 5 * 39 and score["max_rel_nll_diff"] < 1e-5
+    assert "CT2 / ours" in r.stdout and "int8 / int8_float32" in r.stdout
+
+
 def test_serve_load_script(tmp_path):
     """The load generator against a server it starts on a tiny model with GPT-2's vocabulary."""
     pytest.importorskip("httpx", reason="the load generator needs httpx (the [serve] extra)")
