@@ -1,6 +1,7 @@
 """The profiling scripts run, with tiny settings, so that they cannot rot."""
 
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -40,6 +41,7 @@ def test_bench_neighbour(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--neighbour", "--model", str(tmp_path / "ckpt"),
                         "--dtypes", "float32", "int8", "--neighbour-workloads", "decode", "gen8",
+                        "--neighbour-systems", "gpt2numba", "--idle-patience", "0",
                         "--neighbour-repeat", "1", "--neighbour-steps", "2", "--neighbour-tokens", "2",
                         "--json", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr
@@ -186,6 +188,32 @@ def test_bench_ct2(tmp_path):
     assert len({score[name]["tokens"] for name in systems}) == 1  # every system scored the same tokens
     assert 5 * 9 <= score["gpt2numba"]["tokens"] <= 5 * 39 and score["max_rel_nll_diff"] < 1e-5
     assert "CT2 / ours" in r.stdout and "int8 / int8_float32" in r.stdout
+
+
+def test_bench_neighbour_ct2(tmp_path):
+    """CTranslate2 under the same neighbour: both compute types, every workload, at tiny sizes (its prefill is a
+    generate of one token); llama.cpp's absence is said, not an error."""
+    _needs_ct2()
+    write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--neighbour", "--model", str(tmp_path / "ckpt"),
+                        "--threads", "1", "--idle-patience", "0", "--neighbour-systems", "ct2", "llama",
+                        "--neighbour-repeat", "1", "--neighbour-steps", "2", "--neighbour-tokens", "2",
+                        "--neighbour-docs", "3", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    ct2_rows = [(row["workload"], row["dtype"]) for row in report["neighbour"] if row["system"] == "CTranslate2"]
+    assert ct2_rows == [(w, ct) for ct in ("float32", "int8_float32")
+                        for w in ("decode", "gen8", "gen32", "prefill", "score")]
+    assert all(set(row["seconds"]) == {"alone", "nice 0", "nice 10"} and min(row["seconds"].values()) > 0
+               for row in report["neighbour"])
+    assert "CTranslate2" in r.stdout and "slowdown" in r.stdout
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert any(note.startswith("llama.cpp skipped") for note in report["notes"])
+        assert "llama.cpp skipped: llama-cpp-python is not installed" in r.stdout
+    else:
+        llama_rows = [(row["workload"], row["dtype"]) for row in report["neighbour"] if row["system"] == "llama.cpp"]
+        assert llama_rows == [(w, f) for f in ("F32", "Q8_0") for w in ("decode", "prefill")]
 
 
 def test_serve_load_script(tmp_path):
