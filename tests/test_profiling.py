@@ -23,7 +23,7 @@ def test_bench_script(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "bench.py"), "--model", str(tmp_path / "ckpt"),
                         "--lengths", "4", "16", "--contexts", "4", "--repeat", "2", "--steps", "3",
                         "--bandwidth-mib", "8", "--no-transformers", "--accuracy-prompts", "2",
-                        "--json", str(out)],
+                        "--idle-patience", "0", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
@@ -60,7 +60,8 @@ def test_bench_score(tmp_path):
     out = tmp_path / "score.json"
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--score", "--model", str(tmp_path / "ckpt"),
                         "--threads", "1", "--score-long", "150", "--score-stride", "32", "--score-docs", "6",
-                        "--score-doc-tokens", "10", "40", "--score-repeat", "2", "--ray", "--json", str(out)],
+                        "--score-doc-tokens", "10", "40", "--score-repeat", "2", "--ray", "--idle-patience", "0",
+                        "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
@@ -96,7 +97,7 @@ def _bench_throughput(tmp_path, *extra):
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "bench.py"), "--model", str(tmp_path / "ckpt"),
                         "--lengths", "4", "--contexts", "4", "--repeat", "2", "--steps", "2", "--bandwidth-mib", "8",
                         "--batch-sizes", "1", "3", "--batch-context", "4", "--batch-steps", "2", "--no-processes",
-                        "--json", str(out), *extra],
+                        "--idle-patience", "0", "--json", str(out), *extra],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     return json.loads(out.read_text())["throughput"], r.stdout
@@ -148,7 +149,8 @@ def test_bench_llama(tmp_path):
     out = tmp_path / "llama.json"
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--llama", "--model", str(tmp_path / "ckpt"),
                         "--lengths", "16", "--contexts", "8", "--repeat", "2", "--steps", "3",
-                        "--accuracy-prompts", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
+                        "--accuracy-prompts", "2", "--idle-patience", "0", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     assert report["same_model"] < 2e-3
