@@ -1,6 +1,7 @@
 """The profiling scripts run, with tiny settings, so that they cannot rot."""
 
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -14,16 +15,15 @@ from checkpoints import write_dir
 from conftest import TINY, TINY_GPT2
 
 ROOT = Path(__file__).resolve().parents[1]
-NO_WAIT = ["--idle-patience", "0"]  # a smoke test does not wait for a quiet machine
 
 
 def test_bench_script(tmp_path):
     write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "bench.py"), "--model", str(tmp_path / "ckpt"),
-                        *NO_WAIT, "--lengths", "4", "16", "--contexts", "4", "--repeat", "2", "--steps", "3",
+                        "--lengths", "4", "16", "--contexts", "4", "--repeat", "2", "--steps", "3",
                         "--bandwidth-mib", "8", "--no-transformers", "--accuracy-prompts", "2",
-                        "--json", str(out)],
+                        "--idle-patience", "0", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
@@ -40,7 +40,8 @@ def test_bench_neighbour(tmp_path):
     write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--neighbour", "--model", str(tmp_path / "ckpt"),
-                        *NO_WAIT, "--dtypes", "float32", "int8", "--neighbour-workloads", "decode", "gen8",
+                        "--dtypes", "float32", "int8", "--neighbour-workloads", "decode", "gen8",
+                        "--neighbour-systems", "gpt2numba", "--idle-patience", "0",
                         "--neighbour-repeat", "1", "--neighbour-steps", "2", "--neighbour-tokens", "2",
                         "--json", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr
@@ -58,8 +59,9 @@ def test_bench_score(tmp_path):
     write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")
     out = tmp_path / "score.json"
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--score", "--model", str(tmp_path / "ckpt"),
-                        *NO_WAIT, "--threads", "1", "--score-long", "150", "--score-stride", "32", "--score-docs", "6",
-                        "--score-doc-tokens", "10", "40", "--score-repeat", "2", "--ray", "--json", str(out)],
+                        "--threads", "1", "--score-long", "150", "--score-stride", "32", "--score-docs", "6",
+                        "--score-doc-tokens", "10", "40", "--score-repeat", "2", "--ray", "--idle-patience", "0",
+                        "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
@@ -93,10 +95,9 @@ def _bench_throughput(tmp_path, *extra):
     write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "bench.py"), "--model", str(tmp_path / "ckpt"),
-                        *NO_WAIT, "--lengths", "4", "--contexts", "4", "--repeat", "2", "--steps", "2",
-                        "--bandwidth-mib", "8",
+                        "--lengths", "4", "--contexts", "4", "--repeat", "2", "--steps", "2", "--bandwidth-mib", "8",
                         "--batch-sizes", "1", "3", "--batch-context", "4", "--batch-steps", "2", "--no-processes",
-                        "--json", str(out), *extra],
+                        "--idle-patience", "0", "--json", str(out), *extra],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     return json.loads(out.read_text())["throughput"], r.stdout
@@ -147,14 +148,74 @@ def test_bench_llama(tmp_path):
     write_dir(g.random_weights(dataclasses.replace(TINY_GPT2, n_positions=1024), seed=0), tmp_path / "ckpt")
     out = tmp_path / "llama.json"
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--llama", "--model", str(tmp_path / "ckpt"),
-                        *NO_WAIT, "--lengths", "16", "--contexts", "8", "--repeat", "2", "--steps", "3",
-                        "--accuracy-prompts", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
+                        "--lengths", "16", "--contexts", "8", "--repeat", "2", "--steps", "3",
+                        "--accuracy-prompts", "2", "--idle-patience", "0", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     assert report["same_model"] < 2e-3
     assert set(report["decode"]["8"]) >= {"gpt2numba", "llama.cpp F32", "llama.cpp Q4_0"}
     assert report["accuracy"]["llama.cpp Q8_0"]["argmax_agreement_with_float32"] > 0
     assert "llama.cpp Q4_0" in r.stdout
+
+
+def _needs_ct2():
+    for name in ("ctranslate2", "torch", "transformers"):
+        pytest.importorskip(name, reason=f"CTranslate2's benchmark needs {name} (its converter reads a transformers "
+                                         "checkpoint): pip install 'gpt2numba[peers,bench]'")
+
+
+def test_bench_ct2(tmp_path):
+    """CTranslate2 beside us on a conversion of the same tiny model (512 ids: the vocabulary is the ids), both
+    formats, every workload at tiny sizes."""
+    _needs_ct2()
+    write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "ct2.json"
+    r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--ct2", "--model", str(tmp_path / "ckpt"),
+                        "--threads", "1", "--idle-patience", "0", "--ct2-batch-sizes", "1", "3", "--ct2-prompt", "8",
+                        "--ct2-tokens", "4", "--ct2-docs", "5", "--ct2-doc-tokens", "10", "40", "--ct2-repeat", "2",
+                        "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["same_model"] < 1e-4 and report["ctranslate2"].startswith("ctranslate2 ")
+    compact = report["accuracy"]["max_abs_logprob_diff_vs_own_float32"]
+    assert set(compact) == {"gpt2numba int8", "CTranslate2 int8_float32"} and 0 < min(compact.values())
+    systems = {"gpt2numba", "gpt2numba int8", "CTranslate2 float32", "CTranslate2 int8_float32"}
+    assert set(report["generate"]) == {"1", "3"}
+    for B, row in report["generate"].items():
+        assert {name for name, o in row.items() if isinstance(o, dict)} == systems
+        assert all(row[name]["n"] == 2 and row[name]["tokens"] == int(B) * 4 for name in systems)
+        assert row["same_greedy_sequences"] == int(B)  # float32 both: the same greedy tokens
+    score = report["score"]
+    assert len({score[name]["tokens"] for name in systems}) == 1  # every system scored the same tokens
+    assert 5 * 9 <= score["gpt2numba"]["tokens"] <= 5 * 39 and score["max_rel_nll_diff"] < 1e-5
+    assert "CT2 / ours" in r.stdout and "int8 / int8_float32" in r.stdout
+
+
+def test_bench_neighbour_ct2(tmp_path):
+    """CTranslate2 under the same neighbour: both compute types, every workload, at tiny sizes (its prefill is a
+    generate of one token); llama.cpp's absence is said, not an error."""
+    _needs_ct2()
+    write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--neighbour", "--model", str(tmp_path / "ckpt"),
+                        "--threads", "1", "--idle-patience", "0", "--neighbour-systems", "ct2", "llama",
+                        "--neighbour-repeat", "1", "--neighbour-steps", "2", "--neighbour-tokens", "2",
+                        "--neighbour-docs", "3", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    ct2_rows = [(row["workload"], row["dtype"]) for row in report["neighbour"] if row["system"] == "CTranslate2"]
+    assert ct2_rows == [(w, ct) for ct in ("float32", "int8_float32")
+                        for w in ("decode", "gen8", "gen32", "prefill", "score")]
+    assert all(set(row["seconds"]) == {"alone", "nice 0", "nice 10"} and min(row["seconds"].values()) > 0
+               for row in report["neighbour"])
+    assert "CTranslate2" in r.stdout and "slowdown" in r.stdout
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert any(note.startswith("llama.cpp skipped") for note in report["notes"])
+        assert "llama.cpp skipped: llama-cpp-python is not installed" in r.stdout
+    else:
+        llama_rows = [(row["workload"], row["dtype"]) for row in report["neighbour"] if row["system"] == "llama.cpp"]
+        assert llama_rows == [(w, f) for f in ("F32", "Q8_0") for w in ("decode", "prefill")]
 
 
 def test_serve_load_script(tmp_path):

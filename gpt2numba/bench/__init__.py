@@ -24,8 +24,8 @@ import tempfile
 from pathlib import Path
 
 from ..compact import DTYPES
-from . import core, llama, neighbour, scoring, standard
-from .core import machine, wait_for_idle
+from . import ct2, llama, neighbour, scoring, standard
+from .core import machine, set_idle_patience, wait_for_idle
 
 __all__ = ["main", "wait_for_idle"]
 
@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import gpt2numba as g
 
-    core.IDLE_PATIENCE_S = args.idle_patience
     g.set_threads(args.threads)
+    set_idle_patience(args.idle_patience)
     report = {"threads": args.threads, "machine": machine()}
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             g.save_weights(g.random_weights(g.GPT2Config.small(), seed=0), model_dir)
         w = g.load_weights(model_dir)
         report["model"] = str(args.model or "random GPT-2 small (seed 0)")
-        section = scoring if args.score else llama if args.llama else neighbour if args.neighbour else standard
+        section = (scoring if args.score else llama if args.llama else ct2 if args.ct2
+                   else neighbour if args.neighbour else standard)
         report.update(section.run(args, model_dir, w))
     section.print_report(report)
     return _write(report, args.json)
@@ -59,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (default: seeded random GPT-2 small, written to a temp dir)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--idle-patience", type=float, default=30.0, metavar="SECONDS",
+                   help="before each timed block, wait up to this long for a quiet machine (0: do not wait)")
     p.add_argument("--lengths", type=int, nargs="+", help="prompt lengths (default 16 128 512 1024; --llama: 128 512)")
     p.add_argument("--contexts", type=int, nargs="+", help="decode after these (default 16 128 900; --llama: 128 900)")
     p.add_argument("--repeat", type=int, default=5, help="prefill runs per length (median)")
@@ -77,8 +80,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-transformers", action="store_true", help="only gpt2numba and the floors")
     p.add_argument("--no-processes", action="store_true", help="skip cold start and peak memory")
     p.add_argument("--json", type=Path, help="write every figure here")
-    p.add_argument("--idle-patience", type=float, default=30.0, metavar="SECONDS",
-                   help="before each timed run, wait up to this long for other processes to go idle")
     scoring = p.add_argument_group("scoring", "gpt2numba bench --score runs this section alone (float32)")
     scoring.add_argument("--score", action="store_true", help="the scoring benchmark instead of the above")
     scoring.add_argument("--score-long", type=int, default=4096, metavar="TOKENS", help="the long document")
@@ -92,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="also the short documents through Ray Data on a local cluster (the [ray] extra)")
     p.add_argument("--llama", action="store_true",
                    help="llama.cpp on GGUF files of the same weights instead of the above (the [peers] extra)")
+    ct2.add_arguments(p)
     neighbour.add_arguments(p)
     return p
 

@@ -49,6 +49,16 @@ class Remote:
         self.process.join(timeout=30)
 
 
+def start_peer(make, kind, path, threads):
+    """Remote(make, kind, path, threads), or None when the peer's library is not installed (its ``make``
+    then gives version None)."""
+    remote = Remote(make, kind, path, threads)
+    if remote.version is None:
+        remote.close()
+        return None
+    return remote
+
+
 def _work(make, kind, model_dir, threads, conn):
     """The worker process: build the system, then run calls until the parent sends None."""
     system, name, version = make(kind, model_dir, threads)
@@ -108,6 +118,33 @@ class Ours:
         """Many short documents: (tokens scored, nll per document)."""
         scores = self.g.score_batch(docs, self.w)
         return sum(s.n_tokens for s in scores), [s.nll for s in scores]
+
+    def logprobs(self, docs):
+        """log p of each token but the first, per document: float64 (len(doc) - 1,) arrays."""
+        return [s.logprobs for s in self.g.score_batch(docs, self.w)]
+
+    def generate(self, job):
+        """Greedy generate_batch of (prompts, new_tokens) without an end-of-text stop: tokens per prompt."""
+        prompts, new_tokens = job
+        tokens = [[] for _ in prompts]
+        for i, token in self.g.generate_batch(prompts, self.w, max_new_tokens=new_tokens, temperature=0.0,
+                                              stop_at_eos=False):
+            tokens[i].append(token)
+        return tokens
+
+    def decode_steps(self, job):
+        return decode_steps(self, job)
+
+
+def decode_steps(system, job):
+    """Prefill ``ids``, then ``steps`` greedy decode steps, through system.prefill and system.decode (each
+    returning (vocab,) logits): seconds per step, the prefill untimed. job: (ids, steps)."""
+    ids, steps = job
+    token = int(system.prefill(ids).argmax())
+    t = time.perf_counter()
+    for _ in range(steps):
+        token = int(system.decode(token).argmax())
+    return (time.perf_counter() - t) / steps
 
 
 def gpt2numba_system(dtype, model_dir, threads):
@@ -175,6 +212,20 @@ def decode_runs(systems, w, args):
         if "transformers" in tokens and "gpt2numba" in tokens:
             results[context]["same_greedy_tokens"] = tokens["gpt2numba"] == tokens["transformers"]
     return results
+
+
+def alternate(systems, method, jobs, repeat):
+    """Each system's method(jobs[its name]) once untimed (warm-up), then ``repeat`` timed runs in turns
+    (A B A B ...), after waiting for quiet. Returns (the first call's result by name, seconds by name, the CPU
+    share that other processes took meanwhile)."""
+    first = {s.name: s.call(method, jobs[s.name])[1] for s in systems}
+    times = {s.name: [] for s in systems}
+    wait_for_idle()
+    with Load(*(s.process.pid for s in systems)) as load:
+        for _ in range(repeat):
+            for s in systems:
+                times[s.name].append(s.call(method, jobs[s.name])[0])
+    return first, times, load.share
 
 
 def summary(seconds):
@@ -297,15 +348,22 @@ class Load:
         return total
 
 
-IDLE_PATIENCE_S = 30.0  # gpt2numba bench --idle-patience
+IDLE_PATIENCE_S = 30.0  # how long wait_for_idle waits by default: gpt2numba bench --idle-patience
+
+
+def set_idle_patience(seconds: float) -> None:
+    """wait_for_idle's default patience from now on, in this process (0: never wait)."""
+    global IDLE_PATIENCE_S
+    IDLE_PATIENCE_S = float(seconds)
 
 
 def wait_for_idle(threshold=0.1, patience_s=None):
-    """Wait (up to patience_s, default ``IDLE_PATIENCE_S``) until others use under ``threshold`` of the CPU
-    over half a second. The figures report the others' share whether or not the wait succeeded."""
-    if not os.path.exists("/proc/stat"):
+    """Wait (up to patience_s, default IDLE_PATIENCE_S) until others use under ``threshold`` of the CPU over
+    half a second."""
+    patience_s = IDLE_PATIENCE_S if patience_s is None else patience_s
+    if not os.path.exists("/proc/stat") or patience_s <= 0:
         return
-    deadline = time.monotonic() + (IDLE_PATIENCE_S if patience_s is None else patience_s)
+    deadline = time.monotonic() + patience_s
     while time.monotonic() < deadline:
         (b0, t0) = _busy_jiffies()
         time.sleep(0.5)

@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 from . import transformers
-from .core import (PEAK_RSS, Load, Remote, dtype_name, gpt2numba_system, percent, prefill_flops, progress,
-                   run_script, summary, wait_for_idle)
+from .core import (PEAK_RSS, Remote, alternate, dtype_name, gpt2numba_system, percent, prefill_flops, progress,
+                   run_script, start_peer, summary, wait_for_idle)
 
 
 def run(args, model_dir, w) -> dict:
@@ -34,11 +34,8 @@ def run(args, model_dir, w) -> dict:
               "docs": {"documents": len(docs), "doc_tokens": [low, high], "transformers_batch": args.score_batch}}
 
     mine = Remote(gpt2numba_system, "float32", model_dir, args.threads)
-    theirs = None if args.no_transformers else Remote(transformers.system, "transformers", model_dir,
-                                                              args.threads)
-    if theirs and theirs.version is None:
-        theirs.close()
-        theirs = None
+    theirs = None if args.no_transformers else start_peer(transformers.system, "transformers", model_dir,
+                                                                  args.threads)
     report["transformers"] = theirs.version if theirs else None
     systems = [mine, *([theirs] if theirs else [])]
     try:
@@ -73,14 +70,8 @@ def _jobs(name, long_ids, docs, args) -> dict:
 
 def _alternate(systems, method, job, repeat):
     """Each system's tokens/s at method(job), runs alternating; and how far their NLLs are apart."""
-    first = {s.name: s.call(method, job[s.name])[1] for s in systems}  # warm-up: (tokens, nlls)
-    times = {s.name: [] for s in systems}
-    wait_for_idle()
-    with Load(*(s.process.pid for s in systems)) as load:
-        for _ in range(repeat):
-            for s in systems:
-                times[s.name].append(s.call(method, job[s.name])[0])
-    result = {"others_cpu": load.share}
+    first, times, others = alternate(systems, method, job, repeat)  # first: (tokens, nlls) by name
+    result = {"others_cpu": others}
     for s in systems:
         tokens, nlls = first[s.name]
         result[s.name] = {**summary(times[s.name]), "scored": tokens, "nll": float(sum(nlls))}

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import throughput, transformers
 from .core import (GEMM_SHAPE, PEAK_RSS, Remote, decode_runs, dtype_name, gpt2numba_system, measure_floors, percent,
-                   prefill_runs, run_script, system_rows, versus, versus_float32, wait_for_idle)
+                   prefill_runs, run_script, start_peer, system_rows, versus, versus_float32, wait_for_idle)
 
 
 def run(args, model_dir, w) -> dict:
@@ -30,12 +30,11 @@ def run(args, model_dir, w) -> dict:
     # Each system in its own process: two thread pools in one process fight for the
     # cores (each spins while the other works) and slow both several-fold.
     mine = [Remote(gpt2numba_system, dtype, model_dir, args.threads) for dtype in args.dtypes]
-    theirs = None if args.no_transformers else Remote(transformers.system, "transformers", model_dir, args.threads)
-    if theirs and theirs.version is None:
+    theirs = None if args.no_transformers else start_peer(transformers.system, "transformers", model_dir,
+                                                          args.threads)
+    if theirs is None and not args.no_transformers:
         print("transformers or torch is not installed: printing gpt2numba and the floors only "
               "(pip install 'gpt2numba[bench]')", file=sys.stderr)
-        theirs.close()
-        theirs = None
     report["transformers"] = theirs.version if theirs else None
     systems = [*mine, *([theirs] if theirs else [])]
     try:
