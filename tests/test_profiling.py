@@ -233,3 +233,18 @@ def test_serve_load_script(tmp_path):
         assert three["requests"] == 3 and three["tokens"] == 15 and three["tpot_ms"]["p50"] > 0
     assert report["in_process_ms"]["decode_step_ms"] > 0 and "not streamed" in r.stdout
     assert "beside it over quiet: N=1" in r.stdout
+
+
+def test_shared_prefix_script(tmp_path):
+    """The prefix-sharing measurement on a tiny model: lm-eval with and without sharing gives the same numbers."""
+    pytest.importorskip("lm_eval", reason="the script runs lm-eval (the [eval] extra)")
+    write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "shared.json"
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "shared_prefix.py"), "--model", str(tmp_path / "ckpt"),
+                        "--docs", "3", "--context", "20", "30", "--endings", "3", "6", "--threads", "1",
+                        "--score-batch", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["samples"] == 12 and report["greedy_differ"] == 0
+    assert report["max_abs_logprob_diff"] < 1e-5 and report["score_batch"]["max_abs_logprob_diff"] < 1e-5
+    assert "speed-up" in r.stdout
