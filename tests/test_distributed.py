@@ -18,6 +18,9 @@ CONFIG = TINY_GPT2
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "", "x",
          "A longer document, scored in sliding windows. " * 12, "Once upon a time"]
 
+# A command that starts a local Ray cluster, scores and stops it: minutes on a busy 2-core machine.
+COMMAND_S = 900
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
@@ -40,14 +43,14 @@ def test_score_command_on_ray(model, tmp_path):
     path, w = model
     (tmp_path / "docs.txt").write_text("\n".join(t for t in TEXTS if t) + "\n")
     base = [sys.executable, "-m", "gpt2numba", "score", "--model", str(path), "--lines", str(tmp_path / "docs.txt")]
-    local = subprocess.run(base, capture_output=True, text=True, timeout=300)
-    on_ray = subprocess.run([*base, "--ray"], capture_output=True, text=True, timeout=300)
+    local = subprocess.run(base, capture_output=True, text=True, timeout=COMMAND_S)
+    on_ray = subprocess.run([*base, "--ray"], capture_output=True, text=True, timeout=COMMAND_S)
     assert local.returncode == 0 and on_ray.returncode == 0, on_ray.stderr[-2000:]
     expected = [json.loads(line)["nll"] for line in local.stdout.splitlines()]
     assert_same_records(on_ray.stdout, local.stdout)
     assert "documents on Ray" in on_ray.stderr
     written = subprocess.run([*base, "--ray", "--output", str(tmp_path / "out")], capture_output=True, text=True,
-                             timeout=300)
+                             timeout=COMMAND_S)
     assert written.returncode == 0, written.stderr[-2000:]
     rows = [json.loads(line) for f in (tmp_path / "out").iterdir() for line in f.read_text().splitlines()]
     assert sorted(r["nll"] for r in rows) == pytest.approx(sorted(expected), rel=1e-6)
@@ -61,8 +64,8 @@ def test_score_command_on_ray_takes_whole_files(model, tmp_path):
     files[0].write_text(TEXTS[3])
     files[1].write_text("\n".join(TEXTS) + "\n")
     base = [sys.executable, "-m", "gpt2numba", "score", "--model", str(path), *map(str, files)]
-    local = subprocess.run(base, capture_output=True, text=True, timeout=300)
-    on_ray = subprocess.run([*base, "--ray"], capture_output=True, text=True, timeout=300)
+    local = subprocess.run(base, capture_output=True, text=True, timeout=COMMAND_S)
+    on_ray = subprocess.run([*base, "--ray"], capture_output=True, text=True, timeout=COMMAND_S)
     assert local.returncode == 0 and on_ray.returncode == 0, on_ray.stderr[-2000:]
     assert [json.loads(line)["source"] for line in on_ray.stdout.splitlines()] == list(map(str, files))
     assert_same_records(on_ray.stdout, local.stdout)
