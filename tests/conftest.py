@@ -50,6 +50,12 @@ def pytest_terminal_summary(terminalreporter):
         )
 
 
+def pytest_collection_modifyitems(items):
+    """The slow tests first: under pytest-xdist the workers then end at about the same time, instead of one
+    starting a minute-long test when the other has nothing left."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compiled():
     """Compile (or load from Numba's cache) every kernel once, before any timing matters."""

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import gpt2numba as g
 from checkpoints import write_dir
 from conftest import TINY
@@ -83,6 +85,7 @@ def test_unknown_hub_model_is_one_line():
     assert r.returncode == 1 and "Traceback" not in r.stderr and "no-such-model" in r.stderr
 
 
+@pytest.mark.slow
 def test_generate_a_prompts_file(tmp_path):
     """One JSON line per prompt, as it finishes; the same tokens whatever the batch size."""
     import json

@@ -171,6 +171,7 @@ def test_max_length_is_checked(tmp_path):
             GPT2NumbaLM(model=str(tmp_path), max_length=bad)
 
 
+@pytest.mark.slow
 def test_the_harness_command_line(tmp_path):
     """python -m gpt2numba.harness takes lm_eval's own arguments."""
     import subprocess

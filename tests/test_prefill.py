@@ -70,6 +70,7 @@ def test_decode_after_prefill_uses_position_T(tiny, rng):
     assert_matches_oracle(logits, [*ids, 42], tiny, "tiny decode")
 
 
+@pytest.mark.slow
 def test_full_context_gpt2_small(small, rng):
     """A prompt that fills all 1024 positions, then the cache refuses one more token."""
     ids = rng.integers(0, 50257, 1024)
