@@ -2,7 +2,10 @@
 
 A sequence joins between steps: its prompt is prefilled in the same pass as the
 others' next tokens (a one-token "prompt" is a decode row, so prefill_batch
-serves both). It leaves when it finishes, or when its owner removes it. Used by
+serves both); with a budget of prompt rows per step, a long prompt runs in chunks
+over several steps (chunked prefill, as vLLM and llama.cpp's server do), so the
+sequences in flight keep their pace. It leaves when it finishes, or when its
+owner removes it. Used by
 generate_batch (a fixed list of prompts) and by the server (requests that come
 and go); the caller checks prompts and settings first.
 
@@ -19,6 +22,7 @@ import numpy as np
 
 from .forward import prefill_batch
 from .kvcache import ModelCache
+from .prefixes import PrefixCache
 from .tokenizer import EOT_ID
 from .weights import GPT2Weights
 
@@ -64,10 +68,11 @@ class Sequence:
 
 
 class Batch:
-    """At most ``size`` sequences in flight over the weights ``w``."""
+    """At most ``size`` sequences in flight over the weights ``w``; with ``prefixes``, a prompt starts from
+    the longest prefix cached there, and every prompt that runs is stored there."""
 
-    def __init__(self, w: GPT2Weights, size: int):
-        self.w, self.size = w, size
+    def __init__(self, w: GPT2Weights, size: int, prefixes: PrefixCache | None = None):
+        self.w, self.size, self.prefixes = w, size, prefixes
         self.sequences: list[Sequence] = []
         self._logits = np.empty((size, w.config.vocab_size), np.float32)  # (size, vocab), reused by every step
 
@@ -97,44 +102,62 @@ class Batch:
                 seq.feed = []
             else:
                 shared.leader = seq
+        if seq.feed and self.prefixes is not None:
+            del seq.feed[: self.prefixes.load(seq.ids, cache)]
         self.sequences.append(seq)
         return seq
 
     def remove(self, seq: Sequence) -> None:
-        """Stop a sequence now (its cache goes with it). A leader that has not run hands its prompt on."""
+        """Stop a sequence now (its cache goes with it). A leader whose prompt has not run hands it on."""
         self.sequences.remove(seq)
         shared = seq.shared
-        if shared is not None and shared.leader is seq and seq.cache.length == 0:
+        if shared is not None and shared.leader is seq and seq.cache.length < seq.prompt_len:
             waiting = [s for s in self.sequences if s.shared is shared and not s.feed and s.pending is None]
             shared.leader = waiting[0] if waiting else None
             if waiting:
                 waiting[0].feed = list(waiting[0].ids)
+                if self.prefixes is not None:
+                    del waiting[0].feed[: self.prefixes.load(waiting[0].ids, waiting[0].cache)]
         seq.cache = None  # whoever still holds the sequence, its memory is free
 
-    def step(self) -> list[tuple[Sequence, int, bool, np.ndarray]]:
+    def step(self, max_prompt_rows: int | None = None) -> list[tuple[Sequence, int, bool, np.ndarray]]:
         """One forward pass over every sequence: (sequence, its new token, whether it is done, its logits).
 
+        With ``max_prompt_rows``, prompts feed at most that many rows in all (the earliest added first), and
+        a prompt cut short goes on in the next step; every decode row runs. So a long prompt is prefilled in
+        chunks beside the other sequences' tokens instead of holding them up for its whole length (chunked
+        prefill). Only sequences whose prompt has run sample a token; the rest are not in the result.
         A row of logits (vocab,) is valid until the next step. A done sequence has left the batch, and
         its cache is gone (cache None).
         """
         seqs = list(self.sequences)
         if not seqs:
             return []
-        fed = [s for s in seqs if s.feed]
-        row_of = dict(zip(fed, prefill_batch([s.feed for s in fed], self.w, [s.cache for s in fed],
-                                             out=self._logits[: len(fed)]) if fed else []))
+        rows = self._rows(seqs, max_prompt_rows)  # sequence -> rows it feeds now
+        fed = list(rows)
+        logits = prefill_batch([s.feed[: rows[s]] for s in fed], self.w, [s.cache for s in fed],
+                               out=self._logits[: len(fed)]) if fed else []
+        for seq in fed:
+            del seq.feed[: rows[seq]]
+        row_of = {s: row for s, row in zip(fed, logits) if not s.feed}  # those whose prompt (or token) is in
+        if self.prefixes is not None:
+            for seq in row_of:
+                if seq.new_tokens == 0:  # its prompt has just run
+                    self.prefixes.store(seq.ids, seq.cache)
         for seq in seqs:
-            if seq not in row_of:
+            if seq not in rows and self._ready(seq, row_of):
                 row_of[seq] = self._share(seq, row_of)
         for seq in fed:
             shared = seq.shared
-            if shared is not None and shared.leader is seq:  # its prompt has run: keep it for those to come
+            if shared is not None and shared.leader is seq and seq in row_of:  # its prompt has run: keep it
                 if shared.uses > 0:
                     shared.cache = seq.cache.fork(max_len=len(seq.ids))
                     shared.logits = row_of[seq].copy()
                 shared.leader = None
         out = []
         for seq in seqs:
+            if seq not in row_of:
+                continue
             row = row_of[seq]
             token = seq.sampler(row, seq.ids, seq.rng)
             seq.ids.append(token)
@@ -145,6 +168,27 @@ class Batch:
                 seq.feed = [token]
             out.append((seq, token, done, row))
         return out
+
+    @staticmethod
+    def _rows(seqs: list[Sequence], max_prompt_rows: int | None) -> dict[Sequence, int]:
+        """The rows each sequence feeds in this step: its token, or as much of its prompt as the budget
+        leaves, in the order the sequences were added (the first prompt finishes first)."""
+        rows, budget = {}, max_prompt_rows
+        for seq in seqs:
+            if not seq.feed:
+                continue
+            if seq.new_tokens > 0 or budget is None:  # a decode row, or no budget
+                rows[seq] = len(seq.feed)
+            elif budget > 0:
+                rows[seq] = min(len(seq.feed), budget)
+                budget -= rows[seq]
+        return rows
+
+    @staticmethod
+    def _ready(seq: Sequence, row_of: dict) -> bool:
+        """A sequence that was not fed has logits now: ready-made, or its leader's prompt has just run (not:
+        its own prompt waits for the budget, or its leader's is still running)."""
+        return not seq.feed and (seq.pending is not None or seq.shared.leader in row_of)
 
     @staticmethod
     def _share(seq: Sequence, row_of: dict) -> np.ndarray:

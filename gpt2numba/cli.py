@@ -20,6 +20,7 @@ from .oracle import ATOL, ATOL_INTEGER, RTOL, agreement, recompute_logits
 from .compact import DTYPES, INTEGER
 from .documents import field_of, split, utf8
 from .models import resolve_model  # re-exported: gpt2numba.cli.resolve_model
+from .serve.engine import MAX_STEP_TOKENS, PREFIX_CACHE_MB  # (the engine needs no web framework)
 
 RANDOM_NOTE = "random GPT-2 small weights (seed 0): the text is meaningless; pass --model for a real checkpoint"
 
@@ -97,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=_at_least(0), default=8000, help="default 8000")
     serve.add_argument("--max-batch", type=_at_least(1), default=16, metavar="N",
                        help="sequences in flight at once (default 16)")
+    serve.add_argument("--max-step-tokens", type=_at_least(1), default=MAX_STEP_TOKENS, metavar="N",
+                       help="prompt tokens a step prefills beside the decode rows: a long prompt runs in chunks "
+                       f"so the streams in flight keep their pace (default {MAX_STEP_TOKENS})")
+    serve.add_argument("--prefix-cache-mb", type=_at_least(0), default=PREFIX_CACHE_MB, metavar="MB",
+                       help="memory for recent prompts' keys and values: a prompt that begins as one before "
+                       f"prefills only the rest; 0 turns it off (default {PREFIX_CACHE_MB})")
     serve.add_argument("--max-queue", type=_at_least(1), default=64, metavar="N",
                        help="requests waiting beyond those; more get 503 (default 64)")
     serve.add_argument("--max-queued-choices", type=_at_least(1), default=1024, metavar="N",
@@ -257,7 +264,7 @@ def _serve(args) -> int:
     w, path, _ = resolve_model(args.model, args.dtype)
     name = args.model_name or (Path(args.model).name.removesuffix(".safetensors") if args.model else "gpt2")
     run(w, load_tokenizer(path), host=args.host, port=args.port, model_name=name, max_batch=args.max_batch,
-        max_queue=args.max_queue, max_queued_choices=args.max_queued_choices, max_choices=args.max_choices,
+        max_step_tokens=args.max_step_tokens, prefix_cache_mb=args.prefix_cache_mb, max_queue=args.max_queue, max_queued_choices=args.max_queued_choices, max_choices=args.max_choices,
         max_response_mb=args.max_response_mb, max_connections=args.max_connections,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         keep_alive_timeout=args.keep_alive_timeout, api_key=_api_key(args), shutdown_grace=args.shutdown_grace)

@@ -107,6 +107,25 @@ class ModelCache:
         self._lengths[:] = length
         self._length = length
 
+    def extend(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Append positions computed elsewhere (a prefix cache's rows): k, v (n_layer, n_head, n, head_dim).
+
+        Raises CacheError for arrays of another shape, CacheFullError when n > room; then nothing changes.
+        """
+        cfg = self.config
+        for name, rows in (("k", k), ("v", v)):
+            if not isinstance(rows, np.ndarray) or rows.ndim != 4 or rows.shape[:2] != (cfg.n_layer, cfg.n_head) \
+                    or rows.shape[3] != cfg.head_dim or rows.shape != k.shape:
+                raise CacheError(f"extend needs {name} of shape (n_layer={cfg.n_layer}, n_head={cfg.n_head}, n, "
+                                 f"head_dim={cfg.head_dim}), the same for k and v; got {getattr(rows, 'shape', rows)!r}")
+        n = k.shape[2]
+        if n > self.room:
+            raise CacheFullError(f"{n} positions do not fit: the cache holds {self._length} of max_len={self.max_len}")
+        self._k[:, :, self._length : self._length + n] = k
+        self._v[:, :, self._length : self._length + n] = v
+        self._lengths[:] = self._length + n
+        self._length += n
+
     @staticmethod
     def _checked_length(src: ModelCache, length) -> int:
         """``length`` (default src.length) as an int in [0, src.length], or CacheError."""

@@ -17,13 +17,14 @@ from conftest import TINY, TINY_GPT2
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_bench_script(tmp_path):
     write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "bench.py"), "--model", str(tmp_path / "ckpt"),
                         "--lengths", "4", "16", "--contexts", "4", "--repeat", "2", "--steps", "3",
                         "--bandwidth-mib", "8", "--no-transformers", "--accuracy-prompts", "2",
-                        "--idle-patience", "0", "--json", str(out)],
+                        "--no-throughput", "--idle-patience", "0", "--json", str(out)],  # (throughput: below)
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
@@ -53,6 +54,7 @@ def test_bench_neighbour(tmp_path):
     assert "slowdown" in r.stdout and "gen8" in r.stdout
 
 
+@pytest.mark.slow
 def test_bench_score(tmp_path):
     """The scoring section through the CLI, on a tiny model with GPT-2's vocabulary (the Ray part decodes and
     re-encodes text); transformers where installed."""
@@ -165,6 +167,7 @@ def _needs_ct2():
                                          "checkpoint): pip install 'gpt2numba[peers,bench]'")
 
 
+@pytest.mark.slow
 def test_bench_ct2(tmp_path):
     """CTranslate2 beside us on a conversion of the same tiny model (512 ids: the vocabulary is the ids), both
     formats, every workload at tiny sizes."""
@@ -192,6 +195,7 @@ def test_bench_ct2(tmp_path):
     assert "CT2 / ours" in r.stdout and "int8 / int8_float32" in r.stdout
 
 
+@pytest.mark.slow
 def test_bench_neighbour_ct2(tmp_path):
     """CTranslate2 under the same neighbour: both compute types, every workload, at tiny sizes (its prefill is a
     generate of one token); llama.cpp's absence is said, not an error."""
@@ -235,6 +239,40 @@ def test_serve_load_script(tmp_path):
     assert "beside it over quiet: N=1" in r.stdout
 
 
+def test_serve_chunked_script(tmp_path):
+    """The chunked-prefill measurement against servers it starts on a tiny model with GPT-2's vocabulary."""
+    pytest.importorskip("httpx", reason="the load generator needs httpx (the [serve] extra)")
+    write_dir(g.random_weights(dataclasses.replace(TINY_GPT2, n_positions=128), seed=0), tmp_path / "ckpt")
+    out = tmp_path / "chunked.json"
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "serve_chunked.py"), "--model", str(tmp_path / "ckpt"),
+                        "--step-tokens", "8", "0", "--streams", "2", "--prompt-tokens", "8", "--long-tokens", "60",
+                        "--settle", "4", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["step_tokens"]
+    assert set(rows) == {"8", "0"}
+    for row in rows.values():
+        assert row["gaps_during_ms"]["n"] >= 2 and row["tpot_before_ms"] > 0 and row["long_ttft_s"] > 0
+    assert "whole" in r.stdout and "p99/before" in r.stdout
+
+
+def test_serve_prefix_script(tmp_path):
+    """The prefix-cache measurement against servers it starts on a tiny model with GPT-2's vocabulary."""
+    pytest.importorskip("httpx", reason="the load generator needs httpx (the [serve] extra)")
+    write_dir(g.random_weights(dataclasses.replace(TINY_GPT2, n_positions=128), seed=0), tmp_path / "ckpt")
+    out = tmp_path / "prefix.json"
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "serve_prefix.py"), "--model", str(tmp_path / "ckpt"),
+                        "--requests", "6", "--clients", "2", "--prefix-tokens", "40", "--ending-tokens", "4",
+                        "--max-tokens", "2", "--cache-mb", "1", "--n", "3", "--n-prompt-tokens", "20",
+                        "--n-max-tokens", "2", "--n-repeat", "1", "--json", str(out)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["on"]["requests_s"] > 0 and report["off"]["rss_peak_mb"] >= report["off"]["rss_started_mb"] > 0
+    assert len(report["n_ttft_s"]["3"]) == 1 and report["n_ttft_ratio"] > 0
+    assert "with the cache" in r.stdout and "time to first token" in r.stdout
+
+
+@pytest.mark.slow
 def test_shared_prefix_script(tmp_path):
     """The prefix-sharing measurement on a tiny model: lm-eval with and without sharing gives the same numbers."""
     pytest.importorskip("lm_eval", reason="the script runs lm-eval (the [eval] extra)")

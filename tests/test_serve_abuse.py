@@ -347,25 +347,27 @@ def test_draining_fails_requests_not_started_and_finishes_the_others():
 
 
 def test_a_step_prefills_a_bounded_number_of_prompt_rows(monkeypatch):
-    """Many long prompts start over several steps, PREFILL_ROWS prompt rows a step (one prompt at least), so
-    the sequences in flight are not held up by one huge step, and the forward pass's workspace, sized by
-    the largest step, stays small (was: 16 prompts of 1,000 tokens in one step, 24 s and 490 MB kept)."""
+    """Long prompts are prefilled --max-step-tokens rows a step (chunked), so the sequences in flight are
+    not held up by one huge step, and the forward pass's workspace, sized by the largest step, stays small
+    (was: 16 prompts of 1,000 tokens in one step, 24 s and 490 MB kept)."""
     import asyncio
 
     from gpt2numba.batching import Batch
-    from gpt2numba.serve import Engine, Job, engine as engine_module, parse_completion
+    from gpt2numba.serve import Engine, Job, parse_completion
 
-    monkeypatch.setattr(engine_module, "PREFILL_ROWS", 40)
     prefilled = []  # prompt rows of each step
     step = Batch.step
 
-    def counted(self):
-        prefilled.append(sum(len(s.feed) for s in self.sequences if len(s.feed) > 1))
-        return step(self)
+    def counted(self, max_prompt_rows=None):
+        before = {s: s.cache.length for s in self.sequences if s.new_tokens == 0 and s.feed}
+        caches = {s: s.cache for s in before}
+        out = step(self, max_prompt_rows)
+        prefilled.append(sum(caches[s].length - n for s, n in before.items()))
+        return out
 
     monkeypatch.setattr(Batch, "step", counted)
     w, tok = g.random_weights(CONFIG, seed=5), g.load_tokenizer()
-    engine = Engine(w, tok, max_batch=8)
+    engine = Engine(w, tok, max_batch=8, max_step_tokens=40)
     engine.start()
     prefilled.clear()  # (the warm-up's)
 
@@ -384,4 +386,4 @@ def test_a_step_prefills_a_bounded_number_of_prompt_rows(monkeypatch):
     finally:
         engine.stop()
     assert events[-1] == ("done",)
-    assert sorted(n for n in prefilled if n) == [30] * 6 + [100]  # one 30-row prompt a step; 100 rows alone
+    assert max(prefilled) == 40 and sum(prefilled) == 6 * 30 + 100  # every prompt row once, 40 a step at most

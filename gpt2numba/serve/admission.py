@@ -104,10 +104,6 @@ class Waiting:
         self._jobs.append(job)
         self.choices += waiting
 
-    def peek(self):
-        """(job, choice index) of the choice take() would return; None if none waits."""
-        return (self._jobs[0], self._jobs[0].started) if self._jobs else None
-
     def take(self):
         """(job, choice index) of the next choice to start, round-robin over the jobs; None if none waits."""
         if not self._jobs:

@@ -29,7 +29,7 @@ from .. import checks
 from ..tokenizer import Tokenizer
 from ..weights import GPT2Weights
 from .admission import Limits, Refused, check_choices, check_size
-from .engine import Engine, Job
+from .engine import MAX_STEP_TOKENS, PREFIX_CACHE_MB, Engine, Job
 from .requests import MAX_LOGPROBS, MAX_STOPS, ApiError, checked_ids, parse_completion
 from .responses import Chunks, Whole, json_response
 
@@ -42,7 +42,7 @@ PARSE_THREADS = 2  # so many at a time (each may hold a few hundred thousand pro
 
 
 def create_app(w: GPT2Weights, tokenizer: Tokenizer, *, model_name: str = "gpt2", max_batch: int = 16,
-               max_queue: int = 64, api_key: str | None = None, max_body_bytes: int = 2**20,
+               max_step_tokens: int = MAX_STEP_TOKENS, prefix_cache_mb: float = PREFIX_CACHE_MB, max_queue: int = 64, api_key: str | None = None, max_body_bytes: int = 2**20,
                max_choices: int = 256, max_queued_choices: int = 1024, max_response_mb: float = 64.0):
     """The Starlette application: the OpenAI routes over an Engine that starts and stops with it.
 
@@ -52,7 +52,7 @@ def create_app(w: GPT2Weights, tokenizer: Tokenizer, *, model_name: str = "gpt2"
         raise ValueError("the API key is empty: give a key, or none for no authentication")
     limits = Limits(max_queue=max_queue, max_choices=max_choices, max_queued_choices=max_queued_choices,
                     max_response_mb=max_response_mb)
-    engine = Engine(w, tokenizer, max_batch, limits)
+    engine = Engine(w, tokenizer, max_batch, limits, max_step_tokens, prefix_cache_mb)
     routes = Routes(engine, tokenizer, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes)
     app = Starlette(routes=[
         Route("/v1/completions", routes.completions, methods=["POST"]),

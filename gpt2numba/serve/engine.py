@@ -20,9 +20,10 @@ import time
 
 import numpy as np
 
-from ..batching import Batch, Sequence
+from ..batching import Batch, Sequence, SharedPrompt
 from ..forward import prefill
 from ..kvcache import ModelCache
+from ..prefixes import PrefixCache
 from ..sample import Sampler
 from ..tokenizer import Tokenizer
 from ..weights import GPT2Weights
@@ -35,11 +36,16 @@ __all__ = ["Completion", "Engine", "Job", "LOGPROB_ROWS", "QueueFull"]
 
 SHUTTING_DOWN = "the server is shutting down"
 
-# Prompt rows a step may prefill beyond its decode rows (one prompt at least, whatever its length): a request of many
-# long prompts starts over several steps, so the other sequences' next tokens wait one step of this size,
-# not one of 16 x 1,000 rows (24 s), and the forward pass's workspace (sized by the largest step, kept
-# for the next) stays near 1,000 rows, not 16,000 (490 MB). vLLM's max_num_batched_tokens, in spirit.
-PREFILL_ROWS = 1024
+# Prompt rows a step feeds beside its decode rows (chunked prefill): a 1,000-token prompt is prefilled over
+# several steps, and the sequences in flight take a token at each of them instead of waiting for the whole
+# prompt (2 s for GPT-2 small on 2 cores). Smaller chunks keep the others' pace closer to a plain decode
+# step and make the long prompt's first token later; docs/serving.md has the measurement behind this default.
+# The forward pass's workspace, sized by the largest step and kept for the next, stays small with it.
+MAX_STEP_TOKENS = 64
+
+# Memory for the keys and values of recent prompts' blocks (prefixes.py): 256 MB holds 3,400 prompt tokens of
+# GPT-2 small, 1,300 of GPT-2 medium. 0 turns the prefix cache off.
+PREFIX_CACHE_MB = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +96,7 @@ class Job:
         self.since = time.perf_counter()
         self.outbox: list[tuple] = []  # events not yet handed to the event loop (the engine thread's)
         self.echoed: dict[int, tuple] = {}  # prompt -> its echo (text, Piece), until its n-th choice starts
+        self.shared: dict[int, SharedPrompt] = {}  # prompt -> its prefill shared by its n choices, likewise
 
 
 def _deliver(items: list[tuple[Job, list[tuple]]]) -> None:
@@ -102,10 +109,17 @@ def _deliver(items: list[tuple[Job, list[tuple]]]) -> None:
 class Engine:
     """Runs in its own thread: admits waiting choices into the batch, steps it, and reports each token."""
 
-    def __init__(self, w: GPT2Weights, tokenizer: Tokenizer, max_batch: int, limits: Limits | None = None):
+    def __init__(self, w: GPT2Weights, tokenizer: Tokenizer, max_batch: int, limits: Limits | None = None,
+                 max_step_tokens: int = MAX_STEP_TOKENS, prefix_cache_mb: float = PREFIX_CACHE_MB):
+        if max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be at least 1, got {max_step_tokens}")
+        if not prefix_cache_mb >= 0:
+            raise ValueError(f"prefix_cache_mb must be at least 0, got {prefix_cache_mb}")
         self.w, self.tokenizer = w, tokenizer
+        self.max_step_tokens = max_step_tokens
         self.limits = limits or Limits()
-        self.batch = Batch(w, max_batch)
+        self.prefixes = PrefixCache(w.config, int(prefix_cache_mb * 2**20)) if prefix_cache_mb else None
+        self.batch = Batch(w, max_batch, self.prefixes)
         self.logprobs = Logprobs(w, tokenizer)
         self.waiting = Waiting(self.limits)
         self._owner: dict[Sequence, tuple[Job, _Choice]] = {}
@@ -198,7 +212,7 @@ class Engine:
         self._drop_cancelled()
         self._admit()
         try:
-            steps = self.batch.step()
+            steps = self.batch.step(self.max_step_tokens)
         except Exception as e:  # a bug, not a bad request: those were refused before queueing
             log.exception("engine step failed")
             for job in {job for job, _ in self._owner.values()}:
@@ -242,26 +256,23 @@ class Engine:
             if job.cancelled:
                 self._leave(sequence)
         with self._wake:
-            self.waiting.remove(lambda job: not job.cancelled)
+            cancelled = self.waiting.remove(lambda job: not job.cancelled)
             unstarted = self.waiting.remove(lambda job: job.started > 0) if self._draining else []
+        for job in cancelled:  # what its choices still to start would have shared
+            job.echoed.clear()
+            job.shared.clear()
         for job in unstarted:
             self._fail(job, SHUTTING_DOWN, 503)
 
     def _admit(self) -> None:
-        """Waiting choices into free places of the batch, round-robin, up to PREFILL_ROWS prompt rows a step
-        (or one prompt); echo's log-probabilities on the way."""
-        rows = 0
+        """Waiting choices into free places of the batch, round-robin (their prompts run in chunks of the
+        step's budget); echo's log-probabilities on the way."""
         while not self.batch.full:
             with self._wake:
-                head = self.waiting.peek()
-                if head is None:
-                    return
-                job, index = head
-                length = len(job.request.prompts[index // job.request.n])
-                if rows and rows + length > PREFILL_ROWS:  # it starts at the next step
-                    return
-                rows += length
-                self.waiting.take()
+                head = self.waiting.take()
+            if head is None:
+                return
+            job, index = head
             try:
                 self._start(job, index)
             except Exception as e:  # a bug: this request fails, the others go on
@@ -281,8 +292,13 @@ class Engine:
             self._finish(job, choice, "length")
             return
         rng = np.random.default_rng(None if r.seed is None else [r.seed, choice.index])
+        shared = None
+        if r.n > 1:  # the prompt prefilled once for its n choices, whenever they start
+            shared = job.shared.setdefault(choice.prompt, SharedPrompt(r.n))
+            if index % r.n == r.n - 1:
+                del job.shared[choice.prompt]
         choice.sequence = self.batch.add(ids, max_new_tokens=r.max_tokens, sampler=r.sampler, rng=rng,
-                                         stop_at_eos=not r.ignore_eos)
+                                         stop_at_eos=not r.ignore_eos, shared=shared)
         self._owner[choice.sequence] = (job, choice)
 
     def _on_token(self, job: Job, choice: _Choice, token: int, done: bool, row: np.ndarray) -> None:
@@ -319,6 +335,7 @@ class Engine:
         with self._wake:
             self.waiting.remove(lambda waiting: waiting is not job)
         job.echoed.clear()
+        job.shared.clear()
         self._emit(job, "error", message, status)
 
     def _prompt_logprobs(self, ids: list[int], k: int | None) -> Piece | None:
