@@ -54,7 +54,7 @@ def scrape(client) -> dict:
 
 
 def value(found: dict, name: str, sample: str | None = None, **labels) -> float:
-    kind, samples = found[name]
+    _, samples = found[name]
     return samples[(sample or name, tuple(sorted(labels.items())))]
 
 
