@@ -54,7 +54,7 @@ def create_app(w: GPT2Weights, tokenizer: Tokenizer, *, model_name: str = "gpt2"
     limits = Limits(max_queue=max_queue, max_choices=max_choices, max_queued_choices=max_queued_choices,
                     max_response_mb=max_response_mb)
     metrics = Metrics()  # this server's own registry
-    engine = Engine(w, tokenizer, max_batch, limits, metrics)
+    engine = Engine(w, tokenizer, max_batch, limits, metrics=metrics)
     metrics.watch(engine)
     routes = Routes(engine, tokenizer, metrics, model_name=model_name, api_key=api_key,
                     max_body_bytes=max_body_bytes)
