@@ -254,6 +254,7 @@ def _documents(args):
 
 def _serve(args) -> int:
     try:
+        import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:

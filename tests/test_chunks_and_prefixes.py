@@ -163,6 +163,8 @@ def test_the_server_answers_the_same_with_chunks_and_cached_prefixes():
     server with a prefix cache and 8-row chunks as from one with neither; the cache was used. Catches: a
     request's rows mixed with another's, a chunk or a cached prefix that changes what is sampled."""
     pytest.importorskip("starlette", reason="the server needs the [serve] extra")
+    pytest.importorskip("prometheus_client", reason="the server needs the [serve] extra")
+    from prometheus_client.parser import text_string_to_metric_families
     from starlette.testclient import TestClient
 
     from gpt2numba import serve
@@ -178,9 +180,13 @@ def test_the_server_answers_the_same_with_chunks_and_cached_prefixes():
         with TestClient(serve.create_app(w, tok, max_batch=4, **options)) as client:
             with ThreadPoolExecutor(len(bodies)) as pool:
                 out = list(pool.map(lambda body: client.post("/v1/completions", json=body).json(), bodies))
-            return [[c["text"] for c in r["choices"]] for r in out], client.app.state.engine.prefixes
+            metrics = {s.name: s.value for family in text_string_to_metric_families(client.get("/metrics").text)
+                       for s in family.samples}
+            return [[c["text"] for c in r["choices"]] for r in out], client.app.state.engine.prefixes, metrics
 
-    plain, none = answers(prefix_cache_mb=0, max_step_tokens=1024)
-    reused, prefixes = answers(prefix_cache_mb=1, max_step_tokens=8)
+    plain, none, _ = answers(prefix_cache_mb=0, max_step_tokens=1024)
+    reused, prefixes, metrics = answers(prefix_cache_mb=1, max_step_tokens=8)
     assert none is None and reused == plain
     assert prefixes.hits >= 2  # (at least the requests that start once the first ones have finished)
+    assert metrics["gpt2numba_prefix_cache_hits_total"] == prefixes.hits
+    assert metrics["gpt2numba_prefix_cache_bytes"] == prefixes.nbytes > 0

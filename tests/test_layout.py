@@ -105,6 +105,7 @@ def test_the_walk_finds_a_circle():
 def test_no_http_in_the_engine():
     source = (PACKAGE / "serve" / "engine.py").read_text()
     assert "starlette" not in source and "uvicorn" not in source
+    assert "prometheus" not in source  # the metrics library is the [serve] extra's: metrics.py alone imports it
 
 
 def test_bench_modules_import_no_private_names_of_each_other():

@@ -380,6 +380,19 @@ def test_models_health_tokenize_detokenize(server, local):
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
 
 
+def test_metrics_need_no_key_and_parse(server):
+    """GET /metrics answers without the key, as /health does, in Prometheus' text format as prometheus-client
+    reads it, and a 401 just sent is in it. (The exact sums: tests/test_serve_metrics.py, in-process.)"""
+    parser = pytest.importorskip("prometheus_client.parser")
+    assert server.post("/v1/completions", {"prompt": "x", "max_tokens": 1}, key="wrong").status_code == 401
+    r = httpx.get(f"{server.url}/metrics", timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    found = {f.name: f for f in parser.text_string_to_metric_families(r.text)}
+    assert {"gpt2numba_requests", "gpt2numba_time_to_first_token_seconds", "gpt2numba_num_requests_waiting",
+            "process_resident_memory_bytes"} <= set(found), sorted(found)
+    assert any(s.labels == {"status": "401"} and s.value >= 1 for s in found["gpt2numba_requests"].samples)
+
+
 def test_sigterm_stops_cleanly_with_a_stream_in_flight(tmp_path):
     s = Server(tmp_path, "--shutdown-grace", "600")  # the stream must finish within the grace, however busy the machine
     with httpx.stream("POST", f"{s.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},

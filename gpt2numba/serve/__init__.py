@@ -13,11 +13,12 @@ queue (--max-queue requests, --max-queued-choices choices) and take free places 
 requests; past that they get 503 with Retry-After.
 
 No HTTP: engine.py (the thread, steps, stop strings), admission.py (limits, the round-robin queue),
-logprobs.py (OpenAI's log-probabilities as JSON text). HTTP: requests.py (parsing), responses.py (the
-JSON of a response), app.py (the routes, server-sent events; imports Starlette), connections.py and
-server.py (uvicorn: read deadlines, a cap on connections, the shutdown). The names below are those
-gpt2numba.serve has always had; app.py's load on first use, so importing the engine needs no web
-framework.
+logprobs.py (OpenAI's log-probabilities as JSON text), metrics.py (GET /metrics's registry, prometheus-client:
+the engine tells it what happens through engine.Watcher and imports none of it). HTTP: requests.py
+(parsing), responses.py (the JSON of a response), app.py (the routes, server-sent events; imports
+Starlette), connections.py and server.py (uvicorn: read deadlines, a cap on connections, the shutdown).
+The names below are those gpt2numba.serve has always had; app.py's load on first use, so importing the
+engine needs no web framework.
 """
 
 from .engine import LOGPROB_ROWS, Completion, Engine, Job, QueueFull

@@ -5,8 +5,8 @@
          -d '{"prompt": "Hello", "max_tokens": 16}'
 
 The routes (Routes: check, submit, await; none computes) and server-sent events. Request parsing is
-requests.py, the limits admission.py, the JSON of a response responses.py, the connections and the
-shutdown server.py; the engine thread (engine.py) owns the weights and the batch.
+requests.py, the limits admission.py, the JSON of a response responses.py, /metrics metrics.py, the
+connections and the shutdown server.py; the engine thread (engine.py) owns the weights and the batch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import uuid
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import checks
@@ -30,6 +30,7 @@ from ..tokenizer import Tokenizer
 from ..weights import GPT2Weights
 from .admission import Limits, Refused, check_choices, check_size
 from .engine import MAX_STEP_TOKENS, PREFIX_CACHE_MB, Engine, Job
+from .metrics import CONTENT_TYPE, Metrics
 from .requests import MAX_LOGPROBS, MAX_STOPS, ApiError, checked_ids, parse_completion
 from .responses import Chunks, Whole, json_response
 
@@ -52,12 +53,17 @@ def create_app(w: GPT2Weights, tokenizer: Tokenizer, *, model_name: str = "gpt2"
         raise ValueError("the API key is empty: give a key, or none for no authentication")
     limits = Limits(max_queue=max_queue, max_choices=max_choices, max_queued_choices=max_queued_choices,
                     max_response_mb=max_response_mb)
-    engine = Engine(w, tokenizer, max_batch, limits, max_step_tokens, prefix_cache_mb)
-    routes = Routes(engine, tokenizer, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes)
+    metrics = Metrics()  # this server's own registry
+    engine = Engine(w, tokenizer, max_batch, limits, max_step_tokens=max_step_tokens,
+                    prefix_cache_mb=prefix_cache_mb, metrics=metrics)
+    metrics.watch(engine)
+    routes = Routes(engine, tokenizer, metrics, model_name=model_name, api_key=api_key,
+                    max_body_bytes=max_body_bytes)
     app = Starlette(routes=[
         Route("/v1/completions", routes.completions, methods=["POST"]),
         Route("/v1/models", routes.models, methods=["GET"]),
         Route("/health", routes.health, methods=["GET"]),
+        Route("/metrics", routes.prometheus, methods=["GET"]),
         Route("/tokenize", routes.tokenize, methods=["POST"]),
         Route("/detokenize", routes.detokenize, methods=["POST"]),
         Route("/tokenizer_info", routes.tokenizer_info, methods=["GET"]),
@@ -70,9 +76,9 @@ def create_app(w: GPT2Weights, tokenizer: Tokenizer, *, model_name: str = "gpt2"
 class Routes:
     """The HTTP routes over one Engine: each handler checks, submits and awaits; none computes."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, model_name: str, api_key: str | None,
-                 max_body_bytes: int):
-        self.engine, self.tokenizer, self.cfg = engine, tokenizer, engine.w.config
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_name: str,
+                 api_key: str | None, max_body_bytes: int):
+        self.engine, self.tokenizer, self.cfg, self.metrics = engine, tokenizer, engine.w.config, metrics
         self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
         self.created = int(time.time())
         self._parsing = asyncio.Semaphore(PARSE_THREADS)
@@ -115,6 +121,17 @@ class Routes:
         return r
 
     async def completions(self, request):
+        """POST /v1/completions. Each answer is counted by its status here; a stream's at its end (_sse)."""
+        try:
+            return await self._complete(request)
+        except ApiError as e:
+            self.metrics.answered(e.status)
+            raise
+        except Exception:  # (_internal_error answers it)
+            self.metrics.answered(500)
+            raise
+
+    async def _complete(self, request):
         self.authorised(request)
         body = await self.read_body(request)
         # a large body (many prompts, long texts) is parsed and tokenised off the event loop
@@ -142,6 +159,7 @@ class Routes:
             del job  # nothing here keeps the job (an exception's traceback holds this frame)
         if not whole.complete:  # the client went away (nginx's 499): nobody reads this
             raise ApiError(499, "the client closed the connection before the response")
+        self.metrics.answered(200)
         return whole.response()
 
     async def _events(self, job: Job, request=None):
@@ -173,6 +191,7 @@ class Routes:
 
     async def _sse(self, job: Job, chunks: Chunks):
         include_usage = job.request.include_usage
+        status = 499  # the client left before the end: the generator is closed at a yield
         try:
             async with contextlib.aclosing(self._events(job)) as events:  # a client gone: the job is cancelled now
                 del job
@@ -180,10 +199,16 @@ class Routes:
                     yield chunks.event(event)
             if include_usage:
                 yield chunks.usage()
+            status = 200
         except ApiError as e:
+            status = e.status
             yield f"data: {json.dumps(e.body())}\n\n"
+        except Exception:  # a bug: the stream is cut
+            status = 500
+            raise
         finally:
             del chunks
+            self.metrics.answered(status)  # before [DONE]: a client that has read it finds its answer counted
         yield "data: [DONE]\n\n"
 
     async def models(self, request):
@@ -193,6 +218,10 @@ class Routes:
 
     async def health(self, request):
         return json_response({"status": "ok", "active": self.engine.active, "queued": self.engine.queued})
+
+    async def prometheus(self, request):
+        """GET /metrics: open, as /health is (docs/serving.md says why): counts and times, never a text."""
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE)
 
     # /tokenize and /detokenize answer as llama-server's and vLLM's do (lm-eval's remote tokenizer uses vLLM's)
     async def tokenize(self, request):

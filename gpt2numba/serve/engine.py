@@ -4,7 +4,8 @@ Requests come in as checked Completions inside Jobs; the engine thread admits th
 batching.Batch at step boundaries (round-robin across requests: admission.py), runs one forward pass a
 step over every sequence in flight, cuts text at stop strings, computes OpenAI's log-probabilities
 (logprobs.py), and hands each step's events to the requests' event loops. A test or another front end
-drives it without a web framework (app.py is the HTTP one).
+drives it without a web framework (app.py is the HTTP one). It tells a Watcher (metrics.py's Metrics) what
+only it knows: tokens in and out, and when a request's first token and its end come.
 
 Memory follows the batch: nothing is built for a choice until it starts, and a sequence's cache goes
 the moment it leaves (finished, cancelled or failed), whoever still holds the job.
@@ -32,7 +33,7 @@ from .logprobs import LOGPROB_ROWS, Logprobs, Piece
 
 log = logging.getLogger("gpt2numba.serve")
 
-__all__ = ["Completion", "Engine", "Job", "LOGPROB_ROWS", "QueueFull"]
+__all__ = ["Completion", "Engine", "Job", "LOGPROB_ROWS", "QueueFull", "Watcher"]
 
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -65,6 +66,28 @@ class Completion:
     ignore_eos: bool
 
 
+class Watcher:
+    """What the engine tells as it goes, on its own thread: metrics.py's Metrics counts it for GET /metrics;
+    this one, the default, forgets it. Each call comes at most once a step or once a choice, never once a
+    token, and before the events it concerns go out (a client that has its answer and then asks
+    /metrics finds it counted)."""
+
+    def started(self, prompt_tokens: int) -> None:
+        """A choice started, with a prompt of so many tokens (each choice takes in its own prompt)."""
+
+    def step(self, generated_tokens: int) -> None:
+        """A step generated so many tokens (one for each sequence in it)."""
+
+    def first_token(self, seconds: float) -> None:
+        """A request's first token came out ``seconds`` after the request was submitted."""
+
+    def choice_done(self, seconds_per_token: float) -> None:
+        """A choice of two tokens or more ended: the mean time between its tokens."""
+
+    def request_done(self, seconds: float) -> None:
+        """Every choice of a request ended, ``seconds`` after the request was submitted."""
+
+
 @dataclasses.dataclass(eq=False)
 class _Choice:
     """One sequence of a request, as the engine thread sees it from its start to its end."""
@@ -74,6 +97,7 @@ class _Choice:
     decode: object  # Tokenizer.stream_decoder(): id -> text, holding back split characters
     held: str = ""  # text held back: it may be the start of a stop string
     tokens: int = 0
+    first: float = 0.0  # time.perf_counter() at its first token
     sequence: Sequence | None = None
 
 
@@ -110,7 +134,8 @@ class Engine:
     """Runs in its own thread: admits waiting choices into the batch, steps it, and reports each token."""
 
     def __init__(self, w: GPT2Weights, tokenizer: Tokenizer, max_batch: int, limits: Limits | None = None,
-                 max_step_tokens: int = MAX_STEP_TOKENS, prefix_cache_mb: float = PREFIX_CACHE_MB):
+                 max_step_tokens: int = MAX_STEP_TOKENS, prefix_cache_mb: float = PREFIX_CACHE_MB,
+                 metrics: Watcher | None = None):
         if max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be at least 1, got {max_step_tokens}")
         if not prefix_cache_mb >= 0:
@@ -118,6 +143,7 @@ class Engine:
         self.w, self.tokenizer = w, tokenizer
         self.max_step_tokens = max_step_tokens
         self.limits = limits or Limits()
+        self.metrics = metrics if metrics is not None else Watcher()
         self.prefixes = PrefixCache(w.config, int(prefix_cache_mb * 2**20)) if prefix_cache_mb else None
         self.batch = Batch(w, max_batch, self.prefixes)
         self.logprobs = Logprobs(w, tokenizer)
@@ -178,7 +204,13 @@ class Engine:
         return len(self.waiting)
 
     @property
+    def queued_choices(self) -> int:
+        """Choices not yet started, over every request."""
+        return self.waiting.choices
+
+    @property
     def active(self) -> int:
+        """Sequences in the batch."""
         return len(self.batch.sequences)
 
     # the engine thread
@@ -219,6 +251,7 @@ class Engine:
                 self._fail(job, f"internal error: {type(e).__name__}: {e}")
             self._flush()
             return True
+        self.metrics.step(len(steps))
         for sequence, token, done, row in steps:
             job, choice = self._owner[sequence]
             self._on_token(job, choice, token, done, row)
@@ -283,6 +316,7 @@ class Engine:
         r = job.request
         choice = _Choice(index, index // r.n, self.tokenizer.stream_decoder())
         ids = r.prompts[choice.prompt]
+        self.metrics.started(len(ids))
         if r.echo:
             if choice.prompt not in job.echoed:  # once for the n choices of a prompt, whenever they start
                 job.echoed[choice.prompt] = (self.tokenizer.decode(ids), self._prompt_logprobs(ids, r.logprobs))
@@ -305,6 +339,10 @@ class Engine:
         r = job.request
         choice.tokens += 1
         job.tokens += 1
+        if choice.tokens == 1:  # (the clock is read once a choice, not once a token)
+            choice.first = time.perf_counter()
+            if job.tokens == 1:
+                self.metrics.first_token(choice.first - job.since)
         logprobs = self.logprobs.rows(row[None], [token], r.logprobs) if r.logprobs is not None else None
         eos = token == self.tokenizer.eot_id and not r.ignore_eos
         text = choice.held + ("" if eos else choice.decode(token))
@@ -325,8 +363,12 @@ class Engine:
     def _finish(self, job: Job, choice: _Choice, reason: str) -> None:
         self._emit(job, "finish", choice.index, reason, choice.tokens)
         job.unfinished -= 1
+        now = time.perf_counter()
+        if choice.tokens > 1:
+            self.metrics.choice_done((now - choice.first) / (choice.tokens - 1))
         if job.unfinished == 0:
             self._emit(job, "done")
+            self.metrics.request_done(now - job.since)
 
     def _fail(self, job: Job, message: str, status: int = 500) -> None:
         for sequence, (owner, _) in list(self._owner.items()):
