@@ -23,7 +23,7 @@ from .forward import (
     run_prefill,
     set_threads,
 )
-from .kvcache import ModelCache
+from .kvcache import KV_DTYPES, ModelCache
 from .oracle import recompute_all_logits, recompute_logits
 from .scoring import Score, perplexity, score, score_batch, score_text
 from .sample import Sampler, SamplingError, generate, generate_batch, generate_text, generate_text_batch
@@ -31,7 +31,7 @@ from .tokenizer import Tokenizer, load_tokenizer
 from .weights import GPT2Weights, load_weights, random_weights, save_weights
 
 __all__ = [
-    "GPT2Config", "GPT2Weights", "ModelCache",
+    "GPT2Config", "GPT2Weights", "ModelCache", "KV_DTYPES",
     "load_weights", "random_weights", "save_weights", "default_weights",
     "prefill", "decode_step", "prefill_batch", "decode_batch", "embed_token", "run_prefill", "recompute_logits", "recompute_all_logits",
     "generate", "generate_text", "generate_batch", "generate_text_batch",

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .forward import prefill_batch
-from .kvcache import ModelCache
+from .kvcache import ModelCache, check_kv_dtype
 from .prefixes import PrefixCache
 from .tokenizer import EOT_ID
 from .weights import GPT2Weights
@@ -68,11 +68,12 @@ class Sequence:
 
 
 class Batch:
-    """At most ``size`` sequences in flight over the weights ``w``; with ``prefixes``, a prompt starts from
-    the longest prefix cached there, and every prompt that runs is stored there."""
+    """At most ``size`` sequences in flight over the weights ``w``, each in a cache of ``kv_dtype``
+    (kvcache.KV_DTYPES, checked); with ``prefixes`` (of the same kv_dtype), a prompt starts from the
+    longest prefix cached there, and every prompt that runs is stored there."""
 
-    def __init__(self, w: GPT2Weights, size: int, prefixes: PrefixCache | None = None):
-        self.w, self.size, self.prefixes = w, size, prefixes
+    def __init__(self, w: GPT2Weights, size: int, prefixes: PrefixCache | None = None, kv_dtype: str = "float32"):
+        self.w, self.size, self.prefixes, self.kv_dtype = w, size, prefixes, check_kv_dtype(kv_dtype)
         self.sequences: list[Sequence] = []
         self._logits = np.empty((size, w.config.vocab_size), np.float32)  # (size, vocab), reused by every step
 
@@ -87,7 +88,7 @@ class Batch:
         With ``shared`` (made for these very ids), the prompt is prefilled once for all its uses.
         """
         assert not self.full and max_new_tokens >= 1
-        cache = ModelCache(self.w.config, max_len=len(ids) + max_new_tokens)
+        cache = ModelCache(self.w.config, max_len=len(ids) + max_new_tokens, dtype=self.kv_dtype)
         seq = Sequence(list(ids), max_new_tokens, sampler, rng, stop_at_eos, cache)
         if shared is not None:
             assert shared.uses >= 1

@@ -15,7 +15,7 @@ import numpy as np
 from . import forward
 from .errors import ConfigError, GPT2NumbaError
 from .forward import decode_batch, decode_step, prefill, prefill_batch
-from .kvcache import ModelCache
+from .kvcache import KV_DTYPES, ModelCache
 from .oracle import ATOL, ATOL_INTEGER, RTOL, agreement, recompute_logits
 from .compact import DTYPES, INTEGER
 from .documents import field_of, split, utf8
@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     weights.add_argument("--model", help=model_help)
     weights.add_argument("--dtype", default="float32", choices=DTYPES, help=dtype_help)
     weights.add_argument("--threads", type=_at_least(1), help="threads to use (default: the cores)")
+    weights.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
+                         help="how the key/value cache keeps its values: float32 (default), or float16 or "
+                         "bfloat16 in half the memory (each rounded when written; llama.cpp's default is f16)")
 
     gen = commands.add_parser("generate", parents=[weights],
                               help="continue a prompt, streaming text as it is produced",
@@ -171,7 +174,7 @@ def _generate(args) -> int:
         print(f"gpt2numba: {RANDOM_NOTE}", file=sys.stderr)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                   stop_at_eos=not args.no_stop)
+                   stop_at_eos=not args.no_stop, kv_dtype=args.kv_dtype)
     if prompts is not None:
         return _generate_batch(prompts, w, tokenizer, args.batch_size, options)
     ids = prompt_ids(args.prompt, tokenizer)
@@ -268,7 +271,8 @@ def _serve(args) -> int:
         max_step_tokens=args.max_step_tokens, prefix_cache_mb=args.prefix_cache_mb, max_queue=args.max_queue, max_queued_choices=args.max_queued_choices, max_choices=args.max_choices,
         max_response_mb=args.max_response_mb, max_connections=args.max_connections,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-        keep_alive_timeout=args.keep_alive_timeout, api_key=_api_key(args), shutdown_grace=args.shutdown_grace)
+        keep_alive_timeout=args.keep_alive_timeout, api_key=_api_key(args), shutdown_grace=args.shutdown_grace,
+        kv_dtype=args.kv_dtype)
     return 0
 
 
@@ -313,7 +317,7 @@ def _score(args) -> int:
         for lo in range(0, len(docs), args.batch_size):
             group = docs[lo: lo + args.batch_size]
             for (source, index, text, ids), s in zip(group, score_batch([d[3] for d in group], w,
-                                                                         stride=args.stride)):
+                                                                         stride=args.stride, kv_dtype=args.kv_dtype)):
                 size = len(text.encode("utf-8"))
                 print(json.dumps({"source": source, "index": index, "tokens": s.n_tokens, "nll": s.nll,
                                   "perplexity": _finite(s.perplexity),
@@ -337,6 +341,8 @@ def _score_ray(args) -> int:
         raise GPT2NumbaError("--output goes with --ray")
     if "-" in args.files or not args.files:
         raise GPT2NumbaError("--ray reads files (on every node), not stdin")
+    if args.kv_dtype != "float32":
+        raise GPT2NumbaError("--kv-dtype goes without --ray: the Ray workers keep float32 caches")
     try:
         import ray
     except ImportError:
@@ -389,6 +395,8 @@ def _check(args) -> int:
           f"vocab {cfg.vocab_size}, {w.dtype}; loaded in {time.perf_counter() - t0:.2f} s")
     if w.dtype != "float32":
         print(f"(compared with the oracle run on the float32 values the {w.dtype} weights stand for)")
+    if args.kv_dtype != "float32":
+        print(f"(a {args.kv_dtype} cache: the engine reads K and V rounded, the oracle does not round them)")
     if args.prompt_len + args.decode > cfg.n_positions:
         print(f"gpt2numba: error: --prompt-len + --decode = {args.prompt_len + args.decode} "
               f"exceeds n_positions {cfg.n_positions}", file=sys.stderr)
@@ -400,7 +408,7 @@ def _check(args) -> int:
     max_len = args.prompt_len + args.decode
     runs = []  # per prompt: (ids, logits after each step, prefill s, decode s per step)
     for ids in prompts:
-        ids, mc = list(ids), ModelCache(cfg, max_len=max_len)
+        ids, mc = list(ids), ModelCache(cfg, max_len=max_len, dtype=args.kv_dtype)
         t = time.perf_counter()
         steps = [prefill(ids, w, mc)]
         prefill_s, decode_s = time.perf_counter() - t, []
@@ -411,7 +419,7 @@ def _check(args) -> int:
             decode_s.append(time.perf_counter() - t)
         runs.append((ids, steps, prefill_s, decode_s))
     # the same prompts again as one batch: one prefill_batch, then decode_batch steps
-    caches = [ModelCache(cfg, max_len=max_len) for _ in prompts]
+    caches = [ModelCache(cfg, max_len=max_len, dtype=args.kv_dtype) for _ in prompts]
     t = time.perf_counter()
     batch_steps = [prefill_batch(prompts, w, caches)]
     batch_prefill_s, batch_decode_s = time.perf_counter() - t, []

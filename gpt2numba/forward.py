@@ -29,7 +29,7 @@ from .config import GPT2Config
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
 from . import inttiles
 from .intkernels import INT4_ROWS_MAX, INT_ROWS_MAX, _int_matmul, _round_rows
-from .kernels import ATTEND_TILE, _attend, _attention_plan, _gelu, _layernorm, _write_kv
+from .kernels import _attend, _attention_plan, _gelu, _layernorm, _write_kv, attend_width
 from .matkernels import (
     HEAD_ROWS_MAX,
     ROWS_MAX,
@@ -172,6 +172,10 @@ def _pairs(items, caches, what: str) -> tuple[list, list[ModelCache]]:
         if id(mc) in first:
             raise BatchError(f"caches {first[id(mc)]} and {b} are the same ModelCache: each sequence needs its own")
         first[id(mc)] = b
+    kinds = [getattr(mc, "dtype", None) for mc in caches]  # (what is not a ModelCache is refused later)
+    for b, kind in enumerate(kinds):
+        if kind is not None and kinds[0] is not None and kind != kinds[0]:
+            raise BatchError(f"cache 0 is {kinds[0]} but cache {b} is {kind}: one pass takes caches of one dtype")
     return items, caches
 
 
@@ -232,7 +236,8 @@ def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], h
     work = _workspace(w, N, threads)
     x, h, qkv, a, f = work.x[:N], work.h[:N], work.qkv[:N], work.a[:N], work.f[:N]
     x[...] = _embed(np.concatenate(seqs), np.repeat(pos0 - row0[:-1], counts) + np.arange(N), w)
-    ks, vs = typed.List([mc.k for mc in caches]), typed.List([mc.v for mc in caches])
+    ks, vs = typed.List([mc._k for mc in caches]), typed.List([mc._v for mc in caches])  # as stored
+    half = caches[0].dtype == "float16"  # (for uint16 caches: float16 bits, else bfloat16)
     written = np.repeat(pos0[:, None], cfg.n_layer, axis=1)  # (B, n_layer) positions each layer holds
     tiles, bounds = _attention_plan(row0, pos0, cfg.n_head, chunks)
     eps = cfg.layer_norm_epsilon
@@ -241,8 +246,8 @@ def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], h
         for layer in range(cfg.n_layer):
             _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
             linear(h, "c_attn_w", layer, w.c_attn_b[layer], out=qkv, accumulate=False)
-            _write_kv(qkv, ks, vs, row0, pos0, layer, written)
-            _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, a, work.attend)
+            _write_kv(qkv, ks, vs, row0, pos0, layer, written, half)
+            _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, a, work.attend, half)
             linear(a, "attn_c_proj_w", layer, w.attn_c_proj_b[layer], out=x, accumulate=True)
 
             _layernorm(x, w.ln_2_g[layer], w.ln_2_b[layer], eps, h)
@@ -370,8 +375,9 @@ class _Workspace:
         self.qkv = np.empty((rows, 3 * C), np.float32)  # [q | k | v]
         self.a = np.empty((rows, C), np.float32)        # attention out, heads side by side
         self.f = np.empty((rows, 4 * C), np.float32)    # MLP hidden
-        # per thread: a tile of queries and its scores over every visible key
-        self.attend = np.empty((threads, ATTEND_TILE * (cfg.head_dim + cfg.n_positions)), np.float32)
+        # per thread: a tile of queries and its scores over every visible key, and a compact cache's
+        # rows widened (one head's keys or values: 256 KB for GPT-2)
+        self.attend = np.empty((threads, attend_width(cfg.head_dim, cfg.n_positions)), np.float32)
         self._scratch = np.empty(0, np.float32)
         self._dense = np.empty(0, np.float32)
         # the integer formats' inputs: int8 rows and their scales, and widened to int16 for tiles

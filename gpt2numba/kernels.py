@@ -2,8 +2,10 @@
 layernorm, GELU, the cache write and causal attention.
 
 Private and unchecked: callers in forward.py validate shapes, dtypes and ranges.
-Arrays are float32 and C-contiguous; N = rows in the pass (the new tokens of
-every sequence, stacked), C = n_embd, H = n_head, D = head_dim, P = n_positions.
+Arrays are float32 and C-contiguous, but a compact cache's keys and values: float16 or
+bfloat16 bits as uint16, rounded when written, widened when read. N = rows in the pass
+(the new tokens of every sequence, stacked), C = n_embd, H = n_head, D = head_dim,
+P = n_positions.
 Numba's threads do all the parallel work; the matrix products inside run on one
 BLAS thread each (forward.py pins BLAS to one thread while it computes), so the
 two thread pools never compete for the cores.
@@ -19,7 +21,9 @@ Masking is by loop bounds (a query at position pos reads positions 0..pos): no
 import math
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
 
 from .chunks import _claim
 
@@ -145,10 +149,11 @@ def _gelu(x):
 
 
 @njit(cache=True, nogil=True)
-def _write_kv(qkv, ks, vs, row0, pos0, layer, written):
+def _write_kv(qkv, ks, vs, row0, pos0, layer, written, half):
     """Copy the keys and values of every new row into one layer of its sequence's cache.
 
-    qkv: (N, 3C) rows [q | k | v]; ks, vs: B caches' (n_layer, H, max_len, D);
+    qkv: (N, 3C) rows [q | k | v]; ks, vs: B caches' (n_layer, H, max_len, D), float32, or
+    uint16 bits of float16 (``half``) or bfloat16 (not ``half``), rounded to nearest even;
     row0: (B + 1,); pos0: (B,); written: (B, n_layer) int64, where
     written[b, layer] becomes the positions this layer now holds for sequence b.
     """
@@ -159,14 +164,180 @@ def _write_kv(qkv, ks, vs, row0, pos0, layer, written):
         for i in range(row0[b], row0[b + 1]):
             pos = pos0[b] + i - row0[b]
             for h in range(H):
-                for d in range(D):
-                    k[layer, h, pos, d] = qkv[i, C + h * D + d]
-                    v[layer, h, pos, d] = qkv[i, 2 * C + h * D + d]
+                _store_row(qkv[i, C + h * D: C + (h + 1) * D], k[layer, h, pos], half)
+                _store_row(qkv[i, 2 * C + h * D: 2 * C + (h + 1) * D], v[layer, h, pos], half)
         written[b, layer] = pos0[b] + row0[b + 1] - row0[b]
+
+
+# --- a compact cache's formats: float16 and bfloat16, stored as their uint16 bits -------------------
+
+
+@intrinsic
+def _as_float32(typingctx, bits):
+    """The float32 whose bits are the uint32 ``bits`` (a register move, so loops stay vectorised)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _as_uint32(typingctx, x):
+    """The bits of the float32 ``x``, as uint32."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _half_to_float32(typingctx, bits):
+    """float16 bits (uint16) -> float32, exactly: LLVM's fpext from half (vcvtph2ps with x86's F16C)."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _float32_to_half(typingctx, x):
+    """float32 -> float16 bits (uint16), to nearest, ties to even: LLVM's fptrunc (vcvtps2ph with F16C)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _half_to_float32_soft(bits):
+    """_half_to_float32 in integer and float32 arithmetic, for an x86 without F16C (where LLVM would call a
+    runtime helper that Numba does not link). The magnitude's bits moved to float32's places, times 2^112,
+    are the value for normal and subnormal halves alike; inf and nan keep a full exponent."""
+    magnitude = np.uint32(bits & 0x7FFF) << 13
+    x = _as_float32(magnitude) * np.float32(2.0 ** 112)
+    if magnitude >= np.uint32(0x7C00 << 13):  # inf, nan
+        x = _as_float32(magnitude | np.uint32(0x7F800000))
+    return _as_float32(_as_uint32(x) | (np.uint32(bits & 0x8000) << 16))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _float32_to_half_soft(x):
+    """_float32_to_half in integer arithmetic, for an x86 without F16C (F. Giesen's float_to_half_fast3_rtne):
+    normal halves round their 13 dropped bits to nearest even by an integer add; subnormals by a float add
+    that leaves the rounded value in the low bits; 65520 and above overflow to inf; nan stays nan."""
+    bits = _as_uint32(x)
+    sign = bits & np.uint32(0x80000000)
+    a = bits ^ sign
+    if a >= np.uint32((127 + 16) << 23):  # 2^16 or more, inf or nan
+        out = np.uint32(0x7E00) if a > np.uint32(0x7F800000) else np.uint32(0x7C00)
+    elif a < np.uint32(113 << 23):  # below 2^-14: a subnormal half, or zero
+        magic = np.uint32((127 - 15 + 23 - 10 + 1) << 23)
+        out = _as_uint32(_as_float32(a) + _as_float32(magic)) - magic
+    else:
+        odd = (a >> 13) & np.uint32(1)
+        out = (a - np.uint32(112 << 23) + np.uint32(0xFFF) + odd) >> 13  # the exponent rebased: 127 - 15
+    return np.uint16((sign >> 16) | out)
+
+
+def _f16c() -> bool:
+    """Whether LLVM converts half floats in instructions for the CPU Numba compiles for: off x86 (ARM has
+    them), or an x86 with F16C (every x86 with AVX2 has it)."""
+    from llvmlite import binding
+    from numba.core import config
+
+    if not binding.get_process_triple().startswith(("x86_64", "i686", "i386")):
+        return True
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
+    return "+f16c" in features.split(",")
+
+
+F16C = _f16c()
+_to_float32_f16 = _half_to_float32 if F16C else _half_to_float32_soft
+_to_half = _float32_to_half if F16C else _float32_to_half_soft
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _to_bfloat16(x):
+    """float32 -> bfloat16 bits (uint16), to nearest, ties to even: compact.to_bfloat16's rounding."""
+    bits = _as_uint32(x)
+    return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16)
+
+
+def _store_row(src, dst, half):
+    """dst[:] = src, rounded to the cache's format. src: float32 (D,); dst: float32 (D,), or uint16 (D,)
+    bits of float16 (``half``) or bfloat16."""
+
+
+@overload(_store_row, inline="always")
+def _store_row_typed(src, dst, half):
+    if dst.dtype == types.float32:
+        def store(src, dst, half):
+            dst[:] = src
+        return store
+
+    def store_bits(src, dst, half):
+        if half:
+            for d in range(src.size):
+                dst[d] = _to_half(src[d])
+        else:
+            for d in range(src.size):
+                dst[d] = _to_bfloat16(src[d])
+    return store_bits
+
+
+def _scores(q, cache, layer, h, n, dense, s, half):
+    """s = q @ K.T, K = rows 0..n-1 of one head of one layer of a cache, as float32. q: (m, D); s: (m, n);
+    cache: (n_layer, H, max_len, D); dense: (P, D) float32 scratch for a compact cache's rows."""
+
+
+def _weighted(s, cache, layer, h, n, dense, out, half):
+    """out = s @ V, V = rows 0..n-1 of one head of one layer of a cache, as float32. s: (m, n); out: (m, D)."""
+
+
+@overload(_scores, inline="always")
+def _scores_typed(q, cache, layer, h, n, dense, s, half):
+    if cache.dtype == types.float32:
+        def blas(q, cache, layer, h, n, dense, s, half):
+            np.dot(q, cache[layer, h, :n].T, s)
+        return blas
+
+    def from_bits(q, cache, layer, h, n, dense, s, half):
+        np.dot(q, _widened(cache, layer, h, n, dense, half).T, s)
+    return from_bits
+
+
+@overload(_weighted, inline="always")
+def _weighted_typed(s, cache, layer, h, n, dense, out, half):
+    if cache.dtype == types.float32:
+        def blas(s, cache, layer, h, n, dense, out, half):
+            np.dot(s, cache[layer, h, :n], out)
+        return blas
+
+    def from_bits(s, cache, layer, h, n, dense, out, half):
+        np.dot(s, _widened(cache, layer, h, n, dense, half), out)
+    return from_bits
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
+def _widened(cache, layer, h, n, dense, half):
+    """Rows 0..n-1 of one head of one layer of a compact cache widened into dense (P, D); a view of them."""
+    D = cache.shape[3]
+    bits = cache[layer, h, :n].reshape(n * D)  # (n * D,): the rows are contiguous
+    out = dense[:n].reshape(n * D)
+    if half:
+        for j in range(n * D):
+            out[j] = _to_float32_f16(bits[j])
+    else:
+        for j in range(n * D):
+            out[j] = _as_float32(np.uint32(bits[j]) << 16)
+    return dense[:n]
 
 
 # Queries per attention tile: a tile's scores are one BLAS product against the keys it may see.
 ATTEND_TILE = 64
+
+
+def attend_width(head_dim: int, n_positions: int) -> int:
+    """float32 elements of _attend's scratch per thread: a tile's queries and scores, and a (P, D) block
+    for a compact cache's rows widened."""
+    return ATTEND_TILE * (head_dim + n_positions) + n_positions * head_dim
+
 
 
 @njit(cache=True, nogil=True)
@@ -201,20 +372,25 @@ def _attention_plan(row0, pos0, n_head, n_blocks):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch):
+def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch, half):
     """Causal attention of every new row over its own sequence's cache.
 
     qkv: (N, 3C), queries in columns [0, C); ks, vs: B caches' (n_layer, H,
     max_len, D), rows 0..pos0[b] + T_b - 1 of ``layer`` already written; row0:
     (B + 1,); pos0: (B,); tiles, bounds: from _attention_plan, its runs claimed by the
     threads as they are free; out: (N, C), heads side by side; scratch: (threads,
-    ATTEND_TILE * (D + P)), a row per thread. For a tile of
+    attend_width(D, P)), a row per thread. For a tile of
     queries i0..i1-1 of sequence b, BLAS computes the scores against its keys
     0..pos0[b]+i1-1; the softmax of the query at pos reads keys 0..pos only and
-    zeroes the rest, so the mask is exact and by loop bounds.
+    zeroes the rest, so the mask is exact and by loop bounds. A compact cache (uint16
+    bits: float16 when ``half``, else bfloat16) has the tile's visible keys, then its
+    values, widened into the thread's (P, D) float32 block first (_widened): memory
+    is read at 2 bytes a value, BLAS still multiplies float32. (For one query, a hand
+    loop over the 2-byte rows, no widened block, measured the same: decode at context
+    900 with int4 weights, 0.88-0.90x the float32 cache's time against 0.87-0.88x.)
     """
     D = ks[0].shape[3]
-    P = scratch.shape[1] // ATTEND_TILE - D
+    P = (scratch.shape[1] - ATTEND_TILE * D) // (ATTEND_TILE + D)
     scale = np.float32(1.0 / math.sqrt(D))
     n_runs = bounds.size - 1
     nxt = np.zeros(1, np.int64)  # the next run of tiles (chunks.py)
@@ -229,10 +405,11 @@ def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch):
                 n = start + m  # keys 0..n-1 are visible to the tile's last query
                 q = scratch[part, : m * D].reshape(m, D)  # (m, D), then the tile's output
                 s = scratch[part, m * D : m * D + m * n].reshape(m, n)  # (m, n) scores, then weights
+                dense = scratch[part, ATTEND_TILE * (D + P):].reshape(P, D)  # a compact cache's rows widened
                 for i in range(m):
                     for d in range(D):
                         q[i, d] = qkv[first + i, h * D + d] * scale
-                np.dot(q, ks[b][layer, h, :n].T, s)
+                _scores(q, ks[b], layer, h, n, dense, s, half)
                 for i in range(m):
                     pos = start + i
                     row = s[i, : pos + 1]  # the keys the query at pos may see
@@ -244,7 +421,7 @@ def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch):
                     for t in range(pos + 1):
                         row[t] *= inv
                     s[i, pos + 1:] = 0.0
-                np.dot(s, vs[b][layer, h, :n], q)
+                _weighted(s, vs[b], layer, h, n, dense, q, half)
                 for i in range(m):
                     for d in range(D):
                         out[first + i, h * D + d] = q[i, d]

@@ -10,21 +10,12 @@ Every parallel kernel hands out its chunks from an atomic counter (chunks.py).
 import math
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from .chunks import _claim
 from .intkernels import _widen_group
-from .kernels import FASTMATH, ROW_CHUNKS, SERIAL_ROWS, _exp_inplace
-
-
-@intrinsic
-def _as_float32(typingctx, bits):
-    """The float32 whose bits are the uint32 ``bits`` (a register move, so loops stay vectorised)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.uint32), codegen
+from .kernels import FASTMATH, ROW_CHUNKS, SERIAL_ROWS, _as_float32, _exp_inplace
 
 
 @njit(cache=True, nogil=True, parallel=True)

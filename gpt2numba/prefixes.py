@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 
 from .config import GPT2Config
-from .kvcache import ModelCache
+from .kvcache import ModelCache, check_kv_dtype
 
 BLOCK = 16  # tokens a block: vLLM's default block size
 
@@ -30,11 +30,13 @@ class _Block:
 
 
 class PrefixCache:
-    """At most ``max_bytes`` of prompt blocks; ``load`` a prompt's longest cached prefix, ``store`` a prompt."""
+    """At most ``max_bytes`` of prompt blocks; ``load`` a prompt's longest cached prefix, ``store`` a prompt.
+    Its blocks are rows of caches of ``kv_dtype`` (kvcache.KV_DTYPES), kept as stored (2 bytes a value for
+    float16 and bfloat16), and go only to caches of that dtype."""
 
-    def __init__(self, config: GPT2Config, max_bytes: int):
-        self.config = config
-        self.block_bytes = 2 * config.n_layer * config.n_embd * BLOCK * np.dtype(np.float32).itemsize
+    def __init__(self, config: GPT2Config, max_bytes: int, kv_dtype: str = "float32"):
+        self.config, self.kv_dtype = config, check_kv_dtype(kv_dtype)
+        self.block_bytes = ModelCache(config, BLOCK, kv_dtype).nbytes
         self.max_blocks = max(0, int(max_bytes) // self.block_bytes)
         self._index: dict[tuple, _Block] = {}
         self._recent: collections.OrderedDict[_Block, None] = collections.OrderedDict()  # least recent first
@@ -51,7 +53,7 @@ class PrefixCache:
     def load(self, ids: list[int], cache: ModelCache) -> int:
         """Fill an empty ``cache`` with the longest cached prefix of ``ids`` in whole blocks, always leaving
         at least the last id to be fed (its logits are what the prompt is for); returns the positions filled."""
-        assert cache.length == 0 and cache.config == self.config
+        assert cache.length == 0 and cache.config == self.config and cache.dtype == self.kv_dtype
         self.lookups += 1
         chain, parent = [], None
         for start in range(0, len(ids) - 1 - BLOCK + 1, BLOCK):
@@ -70,7 +72,8 @@ class PrefixCache:
 
     def store(self, ids: list[int], cache: ModelCache) -> None:
         """Keep the whole blocks of the prompt ``ids``, whose rows ``cache`` holds from position 0."""
-        assert cache.length >= len(ids) // BLOCK * BLOCK and cache.config == self.config
+        assert cache.length >= len(ids) // BLOCK * BLOCK and cache.config == self.config \
+            and cache.dtype == self.kv_dtype
         chain, parent = [], None
         for start in range(0, min(len(ids) // BLOCK, self.max_blocks) * BLOCK, BLOCK):
             key = (parent, tuple(ids[start : start + BLOCK]))

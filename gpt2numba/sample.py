@@ -13,7 +13,7 @@ from . import checks
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError, TokenTypeError
 from .batching import Batch, Sequence, SharedPrompt
 from .forward import decode_step, prefill
-from .kvcache import ModelCache
+from .kvcache import ModelCache, check_kv_dtype
 from .tokenizer import EOT_ID, Tokenizer, load_tokenizer
 from .weights import GPT2Weights
 
@@ -102,7 +102,7 @@ class Sampler:
 def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
              seed: int | None = None, stop_at_eos: bool = True, slide: bool = False,
-             cache: ModelCache | None = None) -> Iterator[int]:
+             cache: ModelCache | None = None, kv_dtype: str | None = None) -> Iterator[int]:
     """Yield new token ids one at a time: one prefill, then a decode step per token.
 
     Stops after max_new_tokens, or after yielding <|endoftext|> when stop_at_eos.
@@ -110,8 +110,10 @@ def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, temperature: fl
     max_new_tokens would, CacheFullError is raised before any work, unless
     ``slide``, which keeps the newest half of the context, re-prefills it at
     positions 0.., and goes on. The same seed gives the same tokens.
+    ``cache`` (max_len = n_positions) is used instead of a new one; ``kv_dtype`` is the new one's
+    dtype (kvcache.KV_DTYPES; default float32), or must be the given cache's.
     Raises SamplingError for settings out of range, TokenError/TokenTypeError
-    for bad prompt ids.
+    for bad prompt ids, ConfigError for a bad cache or kv_dtype.
     """
     checks.weights(w)
     cfg = w.config
@@ -124,10 +126,14 @@ def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, temperature: fl
             f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
             f"passes the model's context of {cfg.n_positions} positions; ask for fewer tokens or slide=True"
         )
+    if kv_dtype is not None:
+        check_kv_dtype(kv_dtype)
     if cache is None:
-        cache = ModelCache(cfg)
+        cache = ModelCache(cfg, dtype=kv_dtype or "float32")
     elif not isinstance(cache, ModelCache) or cache.config != cfg or cache.max_len != cfg.n_positions:
         raise ConfigError("generate needs a cache of the weights' config with max_len = n_positions")
+    elif kv_dtype is not None and cache.dtype != kv_dtype:
+        raise ConfigError(f"kv_dtype={kv_dtype!r} but the cache given is {cache.dtype}: give one or the other")
     return _generate(ids, w, cache, sampler, max_new_tokens, np.random.default_rng(seed), stop_at_eos)
 
 
@@ -152,7 +158,7 @@ def _generate(ids, w, mc, sampler, max_new_tokens, rng, stop_at_eos):
 def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, temperature: float = 1.0,
                    top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
                    seed: int | None = None, stop_at_eos: bool = True, batch_size: int | None = None,
-                   n: int = 1) -> Iterator[tuple[int, int]]:
+                   n: int = 1, kv_dtype: str = "float32") -> Iterator[tuple[int, int]]:
     """Generate for many prompts at once; yield (index, token_id) as tokens are produced.
 
     ``n`` samples of each prompt: sequence index = prompt_index * n + j for its j-th (index =
@@ -166,19 +172,21 @@ def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, temperature:
     same pass as the others' next tokens (continuous batching). With ``seed``,
     sequence i samples from its own stream, derived from (seed, i), so its tokens
     do not depend on the other prompts or on batch_size; greedy tokens equal
-    generate's for each prompt alone. Everything is checked before any work:
-    SamplingError for settings (n an integer >= 1), TokenError / TokenTypeError naming the prompt,
+    generate's for each prompt alone. Each sequence's cache keeps its keys and values in
+    ``kv_dtype`` (kvcache.KV_DTYPES). Everything is checked before any work:
+    SamplingError for settings (n an integer >= 1), ConfigError for kv_dtype, TokenError /
+    TokenTypeError naming the prompt,
     CacheFullError when a prompt plus max_new_tokens passes n_positions,
     BatchError for no prompts.
     """
     steps = _batch_steps(prompts, w, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                          top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop_at_eos=stop_at_eos,
-                         batch_size=batch_size, n=n)
+                         batch_size=batch_size, n=n, kv_dtype=kv_dtype)
     return ((i, token) for i, token, _ in steps)
 
 
 def _batch_steps(prompts, w, *, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                 repetition_penalty=1.0, seed=None, stop_at_eos=True, batch_size=None, n=1):
+                 repetition_penalty=1.0, seed=None, stop_at_eos=True, batch_size=None, n=1, kv_dtype="float32"):
     """generate_batch's checks, then its tokens as (sequence index, token_id, whether that sequence is done)."""
     checks.weights(w)
     cfg = w.config
@@ -187,6 +195,7 @@ def _batch_steps(prompts, w, *, max_new_tokens, temperature=1.0, top_k=None, top
         raise SamplingError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
     if not checks.is_integer(n) or n < 1:
         raise SamplingError(f"n must be an integer >= 1, got {n!r}")
+    check_kv_dtype(kv_dtype)
     prompts = checks.sequence(prompts, "prompts")
     if not prompts:
         raise BatchError("no prompts: give at least one")
@@ -200,13 +209,13 @@ def _batch_steps(prompts, w, *, max_new_tokens, temperature=1.0, top_k=None, top
         checked.extend([ids] * n)
     slots = min(batch_size or len(checked), len(checked))
     rngs = [np.random.default_rng(None if seed is None else [seed, i]) for i in range(len(checked))]
-    return _generate_batch(checked, w, sampler, max_new_tokens, rngs, stop_at_eos, slots)
+    return _generate_batch(checked, w, sampler, max_new_tokens, rngs, stop_at_eos, slots, kv_dtype)
 
 
-def _generate_batch(prompts, w, sampler, max_new_tokens, rngs, stop_at_eos, slots):
+def _generate_batch(prompts, w, sampler, max_new_tokens, rngs, stop_at_eos, slots, kv_dtype):
     if max_new_tokens == 0:
         return
-    batch = Batch(w, slots)
+    batch = Batch(w, slots, kv_dtype=kv_dtype)
     shared = _shared_prompts(prompts)
     waiting = collections.deque(range(len(prompts)))
     index_of: dict[Sequence, int] = {}  # sequence in flight -> its index

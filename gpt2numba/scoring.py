@@ -21,7 +21,7 @@ from . import checks
 from .errors import ConfigError, TokenTypeError
 from .forward import _forward, head_inputs
 from .matkernels import _head_log_softmax
-from .kvcache import ModelCache
+from .kvcache import ModelCache, check_kv_dtype
 from .sample import _tokenizer
 from .tokenizer import Tokenizer
 from .weights import GPT2Weights
@@ -67,7 +67,7 @@ class Score:
         return math.exp(self.nll / self.n_tokens) if self.n_tokens else math.nan
 
 
-def score(ids, w: GPT2Weights, *, stride: int | None = None) -> Score:
+def score(ids, w: GPT2Weights, *, stride: int | None = None, kv_dtype: str = "float32") -> Score:
     """Score every token of ``ids`` but the first: log p(ids[i+1] | ids[..i]).
 
     ids: 1-D integer ids in [0, vocab); fewer than two give a Score of 0 tokens.
@@ -75,14 +75,15 @@ def score(ids, w: GPT2Weights, *, stride: int | None = None) -> Score:
     stride, 2 stride, ... (stride defaults to n_positions // 2) and end at
     min(begin + n_positions, len); each scores the tokens from the previous
     window's end to its own, from the logits of the position before each inside
-    the window. Raises TokenError / TokenTypeError for bad ids, ConfigError for a
-    stride outside [1, n_positions].
+    the window. ``kv_dtype`` (kvcache.KV_DTYPES) is how the windows' caches keep keys and
+    values: the scores are then those of a model reading them so rounded. Raises TokenError /
+    TokenTypeError for bad ids, ConfigError for a stride outside [1, n_positions] or a bad kv_dtype.
     """
-    return score_batch([ids], w, stride=stride)[0]
+    return score_batch([ids], w, stride=stride, kv_dtype=kv_dtype)[0]
 
 
 def score_batch(sequences, w: GPT2Weights, *, stride: int | None = None,
-                batch_rows: int = BATCH_ROWS, share: bool = True) -> list[Score]:
+                batch_rows: int = BATCH_ROWS, share: bool = True, kv_dtype: str = "float32") -> list[Score]:
     """score() for many sequences; those that fit the context share forward passes of up to batch_rows rows.
 
     With ``share``, sequences that begin with the same tokens (at least SHARED_MIN) run those
@@ -96,6 +97,7 @@ def score_batch(sequences, w: GPT2Weights, *, stride: int | None = None,
         raise ConfigError(f"stride must be an integer in [1, {cfg.n_positions}] (n_positions), got {stride!r}")
     if not checks.is_integer(batch_rows) or batch_rows < 1:
         raise ConfigError(f"batch_rows must be an integer >= 1, got {batch_rows!r}")
+    check_kv_dtype(kv_dtype)
     sequences = checks.sequence(sequences, "sequences")
     docs = [checks.labelled(f"sequence {i}: ", _ids, ids, cfg.vocab_size) for i, ids in enumerate(sequences)]
 
@@ -105,11 +107,11 @@ def score_batch(sequences, w: GPT2Weights, *, stride: int | None = None,
         if len(ids) < 2:
             scores[i] = Score(np.empty(0), np.zeros(0, bool))
         elif len(ids) > cfg.n_positions:
-            scores[i] = _windows(ids, w, stride)
+            scores[i] = _windows(ids, w, stride, kv_dtype)
         else:
             short.append((i, ids))
     results = _score_ends([ids for _, ids in short], [len(ids) - 1 for _, ids in short], w,
-                          share=share, batch_rows=batch_rows)
+                          share=share, batch_rows=batch_rows, kv_dtype=kv_dtype)
     for (i, _), result in zip(short, results):
         scores[i] = Score(*result)
     return scores
@@ -151,7 +153,7 @@ def _ids(ids, vocab_size: int) -> np.ndarray:
     return checks.token_ids(ids, vocab_size)
 
 
-def _windows(ids: np.ndarray, w: GPT2Weights, stride: int) -> Score:
+def _windows(ids: np.ndarray, w: GPT2Weights, stride: int, kv_dtype: str = "float32") -> Score:
     """Sliding windows over a sequence longer than the context (Hugging Face's guide), BATCH_ROWS rows a pass."""
     L, n = len(ids), w.config.n_positions
     plan = []  # (begin, end, first token it scores)
@@ -166,7 +168,8 @@ def _windows(ids: np.ndarray, w: GPT2Weights, stride: int) -> Score:
             break
     logprobs, greedy = np.full(L - 1, np.nan), np.zeros(L - 1, bool)
     for group in passes(plan, lambda window: window[1] - window[0]):
-        for (begin, end, first), (lp, gr) in zip(group, _score_windows([ids[b:e] for b, e, _ in group], w)):
+        scored = _score_windows([ids[b:e] for b, e, _ in group], w, kv_dtype)
+        for (begin, end, first), (lp, gr) in zip(group, scored):
             # lp[j]: token begin + j + 1 from position begin + j
             logprobs[first - 1:end - 1] = lp[first - begin - 1:]
             greedy[first - 1:end - 1] = gr[first - begin - 1:]
@@ -178,12 +181,13 @@ def _targets(ids: np.ndarray) -> np.ndarray:
     return np.append(ids[1:], -1)
 
 
-def _score_windows(windows: list[np.ndarray], w: GPT2Weights) -> list[tuple[np.ndarray, np.ndarray]]:
+def _score_windows(windows: list[np.ndarray], w: GPT2Weights,
+                   kv_dtype: str = "float32") -> list[tuple[np.ndarray, np.ndarray]]:
     """Each window from a fresh context, all in one forward pass: (logprobs, greedy) of its own next ids.
 
     windows: checked int64 ids, 1 <= len <= n_positions each; the last position predicts nothing.
     """
-    caches = [ModelCache(w.config, max_len=len(ids)) for ids in windows]
+    caches = [ModelCache(w.config, max_len=len(ids), dtype=kv_dtype) for ids in windows]
     return _score_pass(windows, [_targets(ids) for ids in windows], caches, [(0, len(ids) - 1) for ids in windows], w)
 
 
@@ -210,7 +214,7 @@ def _score_pass(inputs, targets, caches, spans, w: GPT2Weights) -> list[tuple[np
 
 
 def _score_ends(seqs: list[np.ndarray], counts: list[int], w: GPT2Weights, *, share: bool = True,
-                batch_rows: int = BATCH_ROWS) -> list[tuple[np.ndarray, np.ndarray]]:
+                batch_rows: int = BATCH_ROWS, kv_dtype: str = "float32") -> list[tuple[np.ndarray, np.ndarray]]:
     """(logprobs, greedy) of the last counts[i] tokens of each sequence, each from the tokens before it.
 
     seqs[i]: checked int64 ids, 2 <= len <= n_positions + 1 (all but the last token are fed);
@@ -231,13 +235,13 @@ def _score_ends(seqs: list[np.ndarray], counts: list[int], w: GPT2Weights, *, sh
                 ids = seqs[members[0]]
                 inputs.append(ids[:c])
                 targets.append(_targets(ids)[:c])
-                caches.append(ModelCache(w.config, max_len=fed[members[-1]]))  # the last member's, later
+                caches.append(ModelCache(w.config, max_len=fed[members[-1]], dtype=kv_dtype))  # the last member's
                 spans.append((min(c, *(first[m] for m in members)), c))
             else:  # a member's own rows, in a fork of its context (the last member in the context's own cache)
                 inputs.append(seqs[i][c:-1])
                 targets.append(_targets(seqs[i])[c:-1])
                 if not c:
-                    caches.append(ModelCache(w.config, max_len=fed[i]))
+                    caches.append(ModelCache(w.config, max_len=fed[i], dtype=kv_dtype))
                 else:
                     caches.append(held[g][0] if i == members[-1] else held[g][0].fork(max_len=fed[i]))
                 spans.append((max(first[i] - c, 0), fed[i] - c))

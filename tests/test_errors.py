@@ -136,7 +136,7 @@ def test_reset_and_reuse(tiny, filled):
 
 def test_cache_arrays_cannot_be_replaced(filled):
     mc, _ = filled
-    for name in ("k", "v", "max_len", "config"):
+    for name in ("k", "v", "max_len", "config", "dtype"):
         with pytest.raises(AttributeError):
             setattr(mc, name, None)
 

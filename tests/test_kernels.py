@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from numba import typed
 from threadpoolctl import threadpool_limits
 
-from gpt2numba import kernels, matkernels, oracle
+from gpt2numba import compact, kernels, matkernels, oracle
 from helpers import randn
 
 dims = st.integers(1, 40)
@@ -39,58 +39,76 @@ sequence = st.sampled_from([1, 2, 24, 70, 150]).flatmap(
     lambda max_len: st.integers(0, max_len - 1).flatmap(
         lambda start: st.tuples(st.just(max_len), st.just(start), st.integers(1, max_len - start))))
 batches = st.tuples(models, st.lists(sequence, min_size=1, max_size=4))
+kv_dtypes = st.sampled_from(["float32", "float16", "bfloat16"])
 
 
-def _batch_case(rng, model, seqs):
-    """qkv (N, 3C) stacked rows, ks and vs (one random cache per sequence), row0, pos0."""
+def _stored(a, kv_dtype):
+    """float32 values as a cache of kv_dtype keeps them: themselves, or float16 / bfloat16 bits (uint16)."""
+    if kv_dtype == "float16":
+        return a.astype(np.float16).view(np.uint16)
+    return compact.to_bfloat16(a) if kv_dtype == "bfloat16" else a
+
+
+def _widened(stored, kv_dtype):
+    """A cache's stored array as float32 values."""
+    if kv_dtype == "float16":
+        return stored.view(np.float16).astype(np.float32)
+    return compact.from_bfloat16(stored) if kv_dtype == "bfloat16" else stored
+
+
+def _batch_case(rng, model, seqs, kv_dtype="float32"):
+    """qkv (N, 3C) stacked rows, ks and vs (one random cache per sequence, stored as kv_dtype), row0, pos0."""
     n_layer, H, D = model
-    ks = typed.List([randn(rng, n_layer, H, max_len, D) for max_len, _, _ in seqs])
-    vs = typed.List([randn(rng, n_layer, H, max_len, D) for max_len, _, _ in seqs])
+    ks = typed.List([_stored(randn(rng, n_layer, H, max_len, D), kv_dtype) for max_len, _, _ in seqs])
+    vs = typed.List([_stored(randn(rng, n_layer, H, max_len, D), kv_dtype) for max_len, _, _ in seqs])
     row0 = np.cumsum([0] + [T for _, _, T in seqs]).astype(np.int64)
     pos0 = np.array([start for _, start, _ in seqs], np.int64)
     return randn(rng, row0[-1], 3 * H * D), ks, vs, row0, pos0
 
 
-@given(batch=batches, seed=st.integers(0, 2**32 - 1), data=st.data())
-def test_write_kv(batch, seed, data):
-    """Each sequence's rows land in its own cache at its own positions, one layer, nothing else."""
+@given(batch=batches, kv_dtype=kv_dtypes, seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_write_kv(batch, kv_dtype, seed, data):
+    """Each sequence's rows land in its own cache at its own positions, one layer, nothing else; a
+    compact cache holds them rounded to nearest even (as NumPy's float16 and compact's bfloat16)."""
     model, seqs = batch
     (n_layer, H, D), C = model, model[1] * model[2]
     layer = data.draw(st.integers(0, n_layer - 1))
-    qkv, ks, vs, row0, pos0 = _batch_case(np.random.default_rng(seed), model, seqs)
+    qkv, ks, vs, row0, pos0 = _batch_case(np.random.default_rng(seed), model, seqs, kv_dtype)
     k_ref, v_ref = [k.copy() for k in ks], [v.copy() for v in vs]
     for b, (_, start, T) in enumerate(seqs):
         rows = qkv[row0[b]:row0[b + 1]]
         # (T, C) -> (H, T, D)
-        k_ref[b][layer, :, start:start + T] = rows[:, C:2 * C].reshape(T, H, D).transpose(1, 0, 2)
-        v_ref[b][layer, :, start:start + T] = rows[:, 2 * C:].reshape(T, H, D).transpose(1, 0, 2)
+        k_ref[b][layer, :, start:start + T] = _stored(rows[:, C:2 * C].reshape(T, H, D).transpose(1, 0, 2), kv_dtype)
+        v_ref[b][layer, :, start:start + T] = _stored(rows[:, 2 * C:].reshape(T, H, D).transpose(1, 0, 2), kv_dtype)
     written = np.full((len(seqs), n_layer), -1, np.int64)
-    kernels._write_kv(qkv, ks, vs, row0, pos0, layer, written)
+    kernels._write_kv(qkv, ks, vs, row0, pos0, layer, written, kv_dtype == "float16")
     for b in range(len(seqs)):
         np.testing.assert_array_equal(ks[b], k_ref[b])
         np.testing.assert_array_equal(vs[b], v_ref[b])
     assert (written[:, layer] == pos0 + np.diff(row0)).all() and (np.delete(written, layer, axis=1) == -1).all()
 
 
-@given(batch=batches, n_blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1), data=st.data())
-def test_attend(batch, n_blocks, seed, data):
-    """Sequence b's T queries at positions start..start+T-1 over its own cache rows 0..start+T-1."""
+@given(batch=batches, n_blocks=st.integers(1, 3), kv_dtype=kv_dtypes, seed=st.integers(0, 2**32 - 1),
+       data=st.data())
+def test_attend(batch, n_blocks, kv_dtype, seed, data):
+    """Sequence b's T queries at positions start..start+T-1 over its own cache rows 0..start+T-1 (a
+    compact cache's values widened exactly: float16 bits read as bfloat16 would be far off)."""
     model, seqs = batch
     n_layer, H, D = model
     layer = data.draw(st.integers(0, n_layer - 1))
-    qkv, ks, vs, row0, pos0 = _batch_case(np.random.default_rng(seed), model, seqs)
+    qkv, ks, vs, row0, pos0 = _batch_case(np.random.default_rng(seed), model, seqs, kv_dtype)
     out = np.empty((row0[-1], H * D), np.float32)
-    scratch = np.empty((n_blocks, kernels.ATTEND_TILE * (D + max(m for m, _, _ in seqs))), np.float32)
+    scratch = np.empty((n_blocks, kernels.attend_width(D, max(m for m, _, _ in seqs))), np.float32)
     tiles, bounds = kernels._attention_plan(row0, pos0, H, n_blocks)
     with threadpool_limits(1, user_api="blas"):
-        kernels._attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch)
+        kernels._attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch, kv_dtype == "float16")
 
     for b, (_, start, T) in enumerate(seqs):
         rows = slice(row0[b], row0[b + 1])
         for h in range(H):
             q = qkv[rows, h * D:(h + 1) * D].astype(np.float64)         # (T, D)
-            kk = ks[b][layer, h, :start + T].astype(np.float64)          # (start+T, D)
-            vv = vs[b][layer, h, :start + T].astype(np.float64)
+            kk = _widened(ks[b], kv_dtype)[layer, h, :start + T].astype(np.float64)  # (start+T, D)
+            vv = _widened(vs[b], kv_dtype)[layer, h, :start + T].astype(np.float64)
             scores = q @ kk.T / np.sqrt(D)                               # (T, start+T)
             visible = np.arange(start + T)[None, :] <= (start + np.arange(T))[:, None]
             ref = oracle.softmax(np.where(visible, scores, -np.inf)) @ vv

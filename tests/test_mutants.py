@@ -14,7 +14,7 @@ import gpt2numba as g
 import helpers
 import test_score
 from conftest import TINY
-from gpt2numba import forward, intkernels, inttiles, kernels
+from gpt2numba import compact, forward, intkernels, inttiles, kernels
 from numba import typed
 
 CAUGHT = (AssertionError, g.GPT2NumbaError)
@@ -67,13 +67,13 @@ def test_catches_positions_restarting_per_chunk(tiny, ids, monkeypatch):
 
 
 def test_catches_mask_leaking_the_next_position(tiny, ids, monkeypatch):
-    def leaky(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch):
+    def leaky(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch, half):
         # one sequence: query j sits at pos0 + j but is handed positions up to pos0 + j + 1
         T = qkv.shape[0]
         for rows, start in ((slice(0, T - 1), pos0 + 1), (slice(T - 1, T), pos0 + T - 1)):  # no row past the last
             sub_row0 = np.array([0, len(range(T)[rows])])
             plan = kernels._attention_plan(sub_row0, start, TINY.n_head, scratch.shape[0])
-            kernels._attend(qkv[rows], ks, vs, layer, sub_row0, start, *plan, out[rows], scratch)
+            kernels._attend(qkv[rows], ks, vs, layer, sub_row0, start, *plan, out[rows], scratch, half)
     monkeypatch.setattr(forward, "_attend", leaky)
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")
@@ -89,8 +89,8 @@ def test_catches_transposed_conv1d_weight(tiny, ids, monkeypatch):
 
 def test_catches_a_layer_skipping_its_cache_write(tiny, ids, monkeypatch):
     real = forward._write_kv
-    monkeypatch.setattr(forward, "_write_kv", lambda qkv, ks, vs, row0, pos0, layer, written:
-                        None if layer == 1 else real(qkv, ks, vs, row0, pos0, layer, written))
+    monkeypatch.setattr(forward, "_write_kv", lambda qkv, ks, vs, row0, pos0, layer, written, half:
+                        None if layer == 1 else real(qkv, ks, vs, row0, pos0, layer, written, half))
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")
 
@@ -98,8 +98,8 @@ def test_catches_a_layer_skipping_its_cache_write(tiny, ids, monkeypatch):
 def test_catches_a_write_past_the_prompt(tiny, ids, monkeypatch):
     real = forward._write_kv
 
-    def one_row_too_many(qkv, ks, vs, row0, pos0, layer, written):  # one sequence
-        real(np.vstack([qkv, qkv[-1:]]), ks, vs, row0 + [0, 1], pos0, layer, written)
+    def one_row_too_many(qkv, ks, vs, row0, pos0, layer, written, half):  # one sequence
+        real(np.vstack([qkv, qkv[-1:]]), ks, vs, row0 + [0, 1], pos0, layer, written, half)
         written[:, layer] -= 1
     monkeypatch.setattr(forward, "_write_kv", one_row_too_many)
     with pytest.raises(CAUGHT):
@@ -164,11 +164,11 @@ def test_catches_a_log_softmax_without_the_maximum(tiny, monkeypatch):
 def test_catches_windows_that_score_the_overlap_twice(tiny, monkeypatch):
     from gpt2numba import scoring as score
 
-    def overlapping(ids, w, stride):  # each window scores all its tokens, the overlap again
+    def overlapping(ids, w, stride, kv_dtype):  # each window scores all its tokens, the overlap again
         logprobs, greedy = np.full(len(ids) - 1, np.nan), np.zeros(len(ids) - 1, bool)
         for begin in range(0, len(ids), stride):
             end = min(begin + w.config.n_positions, len(ids))
-            lp, gr = score._score_windows([ids[begin:end]], w)[0]
+            lp, gr = score._score_windows([ids[begin:end]], w, kv_dtype)[0]
             logprobs[begin:end - 1], greedy[begin:end - 1] = lp, gr
             if end == len(ids):
                 break
@@ -230,3 +230,37 @@ def test_catches_the_activation_scale_dropped(tiny, ids, dtype, monkeypatch):
     _int_rows_mutant(monkeypatch, lambda xq, xs, w, scale: (xq, np.ones_like(xs), w, scale))
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny.astype(dtype), "mutant")
+
+
+# --- compact caches (tests/test_kv_dtype.py) ------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_catches_a_compact_cache_read_in_the_other_format(tiny, ids, monkeypatch, kv_dtype):
+    """Attention that widens float16 bits as bfloat16 (or the reverse), the writes right."""
+    import test_kv_dtype
+
+    monkeypatch.setattr(test_kv_dtype, "record_diff", lambda *a: None)
+    real = forward._attend
+    mc = g.ModelCache(TINY, dtype=kv_dtype)
+    test_kv_dtype.check_logits(g.prefill(ids, tiny, mc), ids, tiny, kv_dtype, "control")
+    monkeypatch.setattr(forward, "_attend", lambda *args: real(*args[:-1], not args[-1]))
+    mc = g.ModelCache(TINY, dtype=kv_dtype)
+    with pytest.raises(CAUGHT):
+        test_kv_dtype.check_logits(g.prefill(ids, tiny, mc), ids, tiny, kv_dtype, "mutant")
+
+
+def test_catches_a_float16_cache_that_rounds_to_bfloat16(tiny, ids, monkeypatch):
+    """Writes that keep 8 significant bits instead of 11, read back in the right format: a value off by
+    up to 2^-8 rather than 2^-11 (the rounded reference tells them apart)."""
+    import test_kv_dtype
+
+    monkeypatch.setattr(test_kv_dtype, "record_diff", lambda *a: None)
+    real = forward._write_kv
+
+    def coarse(qkv, ks, vs, row0, pos0, layer, written, half):
+        coarse_qkv = compact.from_bfloat16(compact.to_bfloat16(qkv)).reshape(qkv.shape)
+        real(coarse_qkv, ks, vs, row0, pos0, layer, written, half)
+    monkeypatch.setattr(forward, "_write_kv", coarse)
+    mc = g.ModelCache(TINY, dtype="float16")
+    with pytest.raises(CAUGHT):
+        test_kv_dtype.check_logits(g.prefill(ids, tiny, mc), ids, tiny, "float16", "mutant")

@@ -44,10 +44,12 @@ PARSE_THREADS = 2  # so many at a time (each may hold a few hundred thousand pro
 
 def create_app(w: GPT2Weights, tokenizer: Tokenizer, *, model_name: str = "gpt2", max_batch: int = 16,
                max_step_tokens: int = MAX_STEP_TOKENS, prefix_cache_mb: float = PREFIX_CACHE_MB, max_queue: int = 64, api_key: str | None = None, max_body_bytes: int = 2**20,
-               max_choices: int = 256, max_queued_choices: int = 1024, max_response_mb: float = 64.0):
+               max_choices: int = 256, max_queued_choices: int = 1024, max_response_mb: float = 64.0,
+               kv_dtype: str = "float32"):
     """The Starlette application: the OpenAI routes over an Engine that starts and stops with it.
 
-    api_key: None for no authentication; an empty key is refused (ValueError), not taken for none."""
+    api_key: None for no authentication; an empty key is refused (ValueError), not taken for none.
+    kv_dtype: how every sequence's cache keeps keys and values (kvcache.KV_DTYPES; ConfigError otherwise)."""
     checks.weights(w)
     if api_key is not None and not api_key.strip():
         raise ValueError("the API key is empty: give a key, or none for no authentication")
@@ -55,7 +57,7 @@ def create_app(w: GPT2Weights, tokenizer: Tokenizer, *, model_name: str = "gpt2"
                     max_response_mb=max_response_mb)
     metrics = Metrics()  # this server's own registry
     engine = Engine(w, tokenizer, max_batch, limits, max_step_tokens=max_step_tokens,
-                    prefix_cache_mb=prefix_cache_mb, metrics=metrics)
+                    prefix_cache_mb=prefix_cache_mb, metrics=metrics, kv_dtype=kv_dtype)
     metrics.watch(engine)
     routes = Routes(engine, tokenizer, metrics, model_name=model_name, api_key=api_key,
                     max_body_bytes=max_body_bytes)

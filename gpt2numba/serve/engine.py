@@ -23,7 +23,7 @@ import numpy as np
 
 from ..batching import Batch, Sequence, SharedPrompt
 from ..forward import prefill
-from ..kvcache import ModelCache
+from ..kvcache import ModelCache, check_kv_dtype
 from ..prefixes import PrefixCache
 from ..sample import Sampler
 from ..tokenizer import Tokenizer
@@ -135,18 +135,19 @@ class Engine:
 
     def __init__(self, w: GPT2Weights, tokenizer: Tokenizer, max_batch: int, limits: Limits | None = None,
                  max_step_tokens: int = MAX_STEP_TOKENS, prefix_cache_mb: float = PREFIX_CACHE_MB,
-                 metrics: Watcher | None = None):
+                 metrics: Watcher | None = None, kv_dtype: str = "float32"):
         if max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be at least 1, got {max_step_tokens}")
         if not prefix_cache_mb >= 0:
             raise ValueError(f"prefix_cache_mb must be at least 0, got {prefix_cache_mb}")
+        check_kv_dtype(kv_dtype)
         self.w, self.tokenizer = w, tokenizer
         self.max_step_tokens = max_step_tokens
         self.limits = limits or Limits()
         self.metrics = metrics if metrics is not None else Watcher()
-        self.prefixes = PrefixCache(w.config, int(prefix_cache_mb * 2**20)) if prefix_cache_mb else None
-        self.batch = Batch(w, max_batch, self.prefixes)
-        self.logprobs = Logprobs(w, tokenizer)
+        self.prefixes = PrefixCache(w.config, int(prefix_cache_mb * 2**20), kv_dtype) if prefix_cache_mb else None
+        self.batch = Batch(w, max_batch, self.prefixes, kv_dtype)  # every sequence's cache in kv_dtype
+        self.logprobs = Logprobs(w, tokenizer, kv_dtype)
         self.waiting = Waiting(self.limits)
         self._owner: dict[Sequence, tuple[Job, _Choice]] = {}
         self._wake = threading.Condition()
@@ -216,7 +217,7 @@ class Engine:
     # the engine thread
     def _warm_up(self) -> None:
         ids = [self.tokenizer.eot_id] * 3
-        prefill(ids, self.w, ModelCache(self.w.config, max_len=3), logits="all")
+        prefill(ids, self.w, ModelCache(self.w.config, max_len=3, dtype=self.batch.kv_dtype), logits="all")
         sequence = self.batch.add(ids, max_new_tokens=2, sampler=Sampler(0.0), rng=np.random.default_rng(0))
         while sequence in self.batch.sequences:
             self.batch.step()

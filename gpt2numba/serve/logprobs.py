@@ -50,8 +50,8 @@ def as_json(pieces: list[Piece], start: int) -> str:
 class Logprobs:
     """Log-softmax over rows of logits and the k best alternatives, as Pieces (one per model)."""
 
-    def __init__(self, w: GPT2Weights, tokenizer: Tokenizer):
-        self.w, self.tokenizer = w, tokenizer
+    def __init__(self, w: GPT2Weights, tokenizer: Tokenizer, kv_dtype: str = "float32"):
+        self.w, self.tokenizer, self.kv_dtype = w, tokenizer, kv_dtype  # echo's cache: as the batch's
         self._text: dict[int, str] = {}  # token id -> its text (at most the vocabulary)
 
     def text(self, token: int) -> str:
@@ -83,7 +83,7 @@ class Logprobs:
         first = Piece(_items([self.text(ids[0])]), "null", "null", (len(self.text(ids[0])),))
         if len(ids) == 1:
             return first
-        mc = ModelCache(self.w.config, max_len=len(ids))
+        mc = ModelCache(self.w.config, max_len=len(ids), dtype=self.kv_dtype)
         logits = _logits_head(self.w)
 
         def head(h: np.ndarray, chunks: int) -> list[Piece]:  # h: (T, n_embd), every position after ln_f
