@@ -286,3 +286,21 @@ def test_shared_prefix_script(tmp_path):
     assert report["samples"] == 12 and report["greedy_differ"] == 0
     assert report["max_abs_logprob_diff"] < 1e-5 and report["score_batch"]["max_abs_logprob_diff"] < 1e-5
     assert "speed-up" in r.stdout
+
+
+def test_kv_dtype_script(tmp_path):
+    """profiling/kv_dtype.py on a tiny int4 model: a decode time per cache dtype, float16 and bfloat16 caches
+    in half float32's bytes, their logits near float32's."""
+    write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "kv.json"
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "kv_dtype.py"), "--model", str(tmp_path / "ckpt"),
+                        "--context", "40", "--steps", "2", "--repeat", "2", "--caches", "4", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["weights"] == "int4" and report["context"] == 40 and report["steps"] == 4
+    assert set(report["decode_ms"]) == set(g.KV_DTYPES) and min(report["decode_ms"].values()) > 0
+    assert report["bytes"]["float32"] == 4 * g.ModelCache(TINY, dtype="float32").nbytes
+    assert report["bytes"]["float16"] == report["bytes"]["bfloat16"] == report["bytes"]["float32"] // 2
+    assert max(report["max_abs_logit_diff_vs_float32"].values()) < 0.05
+    assert "ms/token" in r.stdout and "caches of 64 positions" in r.stdout
