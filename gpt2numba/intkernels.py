@@ -18,6 +18,7 @@ from numba.extending import intrinsic, overload
 
 from .chunks import _claim
 from .compact import GROUP as _GROUP
+from .kernels import _x86_features
 
 _HALF_GROUP = _GROUP // 2
 
@@ -69,13 +70,9 @@ def _lanes(builder, v, lanes):
 
 def _madd_width():
     """int16 lanes of the widest pmaddwd the target CPU has (as Numba compiles for it), or 0 off x86."""
-    from llvmlite import binding
-    from numba.core import config
-
-    if not binding.get_process_triple().startswith(("x86_64", "i686", "i386")):
+    enabled = _x86_features()
+    if enabled is None:
         return 0
-    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
-    enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
     return 32 if "avx512bw" in enabled else 16 if "avx2" in enabled else 8
 
 

@@ -235,16 +235,22 @@ def _float32_to_half_soft(x):
     return np.uint16((sign >> 16) | out)
 
 
-def _f16c() -> bool:
-    """Whether LLVM converts half floats in instructions for the CPU Numba compiles for: off x86 (ARM has
-    them), or an x86 with F16C (every x86 with AVX2 has it)."""
+def _x86_features() -> set[str] | None:
+    """The x86 features enabled for the CPU Numba compiles for ("avx2", "f16c", ...), or None off x86."""
     from llvmlite import binding
     from numba.core import config
 
     if not binding.get_process_triple().startswith(("x86_64", "i686", "i386")):
-        return True
+        return None
     features = config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
-    return "+f16c" in features.split(",")
+    return {f[1:] for f in features.split(",") if f.startswith("+")}
+
+
+def _f16c() -> bool:
+    """Whether LLVM converts half floats in instructions for the CPU Numba compiles for: off x86 (ARM has
+    them), or an x86 with F16C (every x86 with AVX2 has it)."""
+    features = _x86_features()
+    return features is None or "f16c" in features
 
 
 F16C = _f16c()
