@@ -362,7 +362,11 @@ def _score_ray(args) -> int:
                 print(json.dumps({"source": row["source"], "index": int(row["index"]), "tokens": int(row["tokens"]),
                                   "nll": float(row["nll"]), "perplexity": _finite(float(row["perplexity"])),
                                   "bits_per_byte": _finite(float(row["bits_per_byte"]))}), flush=True)
-        docs, tokens, nll = scored.count(), scored.sum("tokens") or 0, scored.sum("nll") or 0.0
+        docs, tokens, nll = 0, 0, 0.0  # from the blocks in hand: Ray's own sum() would run a job for each
+        for batch in scored.iter_batches(batch_size=None, batch_format="numpy"):
+            docs += len(batch["tokens"])
+            tokens += int(batch["tokens"].sum())
+            nll += float(batch["nll"].sum())
     finally:
         ray.shutdown()
     seconds = time.perf_counter() - t0
