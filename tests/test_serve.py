@@ -418,7 +418,7 @@ def test_lm_eval_local_completions(server, tmp_path):
     import gpt2numba.harness  # noqa: F401  (registers "gpt2numba")
 
     write_tasks(tmp_path)
-    tasks, manager = ["gn_mc", "gn_ppl", "gn_gen"], TaskManager(include_path=str(tmp_path))
+    tasks, manager = ["gn_mc", "gn_ppl", "gn_gen"], TaskManager(include_path=str(tmp_path), include_defaults=False)
     remote = lm_eval.simple_evaluate(
         model="local-completions", tasks=tasks, task_manager=manager, log_samples=True,
         model_args={"base_url": f"{server.url}/v1/completions", "model": "model", "tokenizer_backend": "remote",
@@ -448,10 +448,10 @@ def test_an_engine_failure_fails_one_request_and_the_server_goes_on(monkeypatch)
 
     from gpt2numba import serve
 
-    def broken(self, ids, k):
+    def broken(self, ids, k, into=None):
         raise RuntimeError("planted")
 
-    monkeypatch.setattr(serve.Engine, "_prompt_logprobs", broken)
+    monkeypatch.setattr(serve.logprobs.Logprobs, "prompt", broken)
     w = g.random_weights(CONFIG, seed=5)
     with TestClient(serve.create_app(w, g.load_tokenizer(), max_batch=2)) as client:
         r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "echo": True, "logprobs": 1})
@@ -460,26 +460,38 @@ def test_an_engine_failure_fails_one_request_and_the_server_goes_on(monkeypatch)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
-def test_echo_is_computed_once_for_the_n_choices(monkeypatch):
-    """With one place in the batch, the n choices of an echoed prompt start in different steps; the prompt's
-    log-probabilities are computed once and every choice begins with them."""
+def test_echo_runs_the_prompt_once_for_the_n_choices(monkeypatch):
+    """With one place in the batch, the n choices of an echoed prompt start in different steps. The prompt runs
+    once: the pass that gives its log-probabilities, whose cache the choices go on from (the batch runs none
+    of its rows). Every choice begins with the echo and goes on as it would without it."""
     from starlette.testclient import TestClient
 
-    from gpt2numba import serve
+    from gpt2numba import batching, serve
 
-    calls = []
-    original = serve.Engine._prompt_logprobs
+    calls, fed = [], []
+    prompt, prefill_batch = serve.logprobs.Logprobs.prompt, batching.prefill_batch
 
-    def counted(self, ids, k):
+    def counted(self, ids, k, into=None):
         calls.append(len(ids))
-        return original(self, ids, k)
+        return prompt(self, ids, k, into)
 
-    monkeypatch.setattr(serve.Engine, "_prompt_logprobs", counted)
+    def rows(prompts, *args, **kwargs):
+        fed.append([len(p) for p in prompts])
+        return prefill_batch(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(serve.logprobs.Logprobs, "prompt", counted)
+    monkeypatch.setattr(batching, "prefill_batch", rows)
+    body = {"prompt": "Echo me", "max_tokens": 3, "n": 3, "logprobs": 1, "temperature": 0, "ignore_eos": True}
     w = g.random_weights(CONFIG, seed=5)
     with TestClient(serve.create_app(w, g.load_tokenizer(), max_batch=1)) as client:
-        r = client.post("/v1/completions", json={"prompt": "Echo me", "max_tokens": 2, "n": 3, "echo": True,
-                                                 "logprobs": 1, "seed": 0}).json()
-    n_prompt = len(g.load_tokenizer().encode("Echo me"))
-    assert calls == [n_prompt]
-    assert all(c["text"].startswith("Echo me") for c in r["choices"]) and len(r["choices"]) == 3
-    assert len({tuple(c["logprobs"]["token_logprobs"][:n_prompt]) for c in r["choices"]}) == 1
+        fed.clear()  # (the engine's warm-up, which ran before the app started, is not counted)
+        echoed = client.post("/v1/completions", json={**body, "echo": True}).json()
+        n_prompt = len(g.load_tokenizer().encode("Echo me"))
+        assert calls == [n_prompt] and fed and all(step == [1] for step in fed)  # decode rows only
+        plain = client.post("/v1/completions", json=body).json()
+    assert len(echoed["choices"]) == len(plain["choices"]) == 3
+    assert len({tuple(c["logprobs"]["token_logprobs"][:n_prompt]) for c in echoed["choices"]}) == 1
+    for e, p in zip(echoed["choices"], plain["choices"]):
+        assert e["text"] == "Echo me" + p["text"]
+        assert e["logprobs"]["tokens"][n_prompt:] == p["logprobs"]["tokens"]
+        assert e["logprobs"]["token_logprobs"][n_prompt:] == pytest.approx(p["logprobs"]["token_logprobs"], abs=1e-5)

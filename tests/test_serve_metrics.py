@@ -91,14 +91,14 @@ def test_the_counters_add_up_to_the_requests_sent(monkeypatch):
     per finish, the time to first token per choice or before the first token (an echo of none), the time
     per token for one-token choices, a failed request's time among the served ones', the /metrics route
     behind the key."""
-    original = serve.Engine._prompt_logprobs
+    original = serve.logprobs.Logprobs.prompt
 
-    def fails(self, prompt, k):
+    def fails(self, prompt, k, into=None):
         if prompt == FAILS:
             raise RuntimeError("planted")
-        return original(self, prompt, k)
+        return original(self, prompt, k, into)
 
-    monkeypatch.setattr(serve.Engine, "_prompt_logprobs", fails)
+    monkeypatch.setattr(serve.logprobs.Logprobs, "prompt", fails)
     app = serve.create_app(g.random_weights(CONFIG, seed=5), g.load_tokenizer(), max_batch=2, api_key=KEY)
     with TestClient(app) as client:
         for body, _, tokens, _ in SERVED:

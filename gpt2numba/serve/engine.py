@@ -321,18 +321,18 @@ class Engine:
         self.metrics.started(len(ids))
         if r.echo:
             if choice.prompt not in job.echoed:  # once for the n choices of a prompt, whenever they start
-                job.echoed[choice.prompt] = (self.tokenizer.decode(ids), self._prompt_logprobs(ids, r.logprobs))
+                job.echoed[choice.prompt] = (self.tokenizer.decode(ids), self._echo_logprobs(job, choice.prompt))
             echo = job.echoed[choice.prompt] if index % r.n < r.n - 1 else job.echoed.pop(choice.prompt)
             self._emit(job, "text", choice.index, *echo)
         if r.max_tokens == 0:
             self._finish(job, choice, "length")
             return
         rng = np.random.default_rng(None if r.seed is None else [r.seed, choice.index])
-        shared = None
-        if r.n > 1:  # the prompt prefilled once for its n choices, whenever they start
-            shared = job.shared.setdefault(choice.prompt, SharedPrompt(r.n))
-            if index % r.n == r.n - 1:
-                del job.shared[choice.prompt]
+        shared = job.shared.get(choice.prompt)  # the prompt run once for its n choices, whenever they start
+        if shared is None and r.n > 1:
+            shared = job.shared[choice.prompt] = SharedPrompt(r.n)
+        if shared is not None and index % r.n == r.n - 1:
+            del job.shared[choice.prompt]
         choice.sequence = self.batch.add(ids, max_new_tokens=r.max_tokens, sampler=r.sampler, rng=rng,
                                          stop_at_eos=not r.ignore_eos, shared=shared)
         self._owner[choice.sequence] = (job, choice)
@@ -382,9 +382,19 @@ class Engine:
         job.shared.clear()
         self._emit(job, "error", message, status)
 
-    def _prompt_logprobs(self, ids: list[int], k: int | None) -> Piece | None:
-        """Echo: each prompt token's log-probability given those before it; None without logprobs."""
-        return None if k is None else self.logprobs.prompt(ids, k)
+    def _echo_logprobs(self, job: Job, prompt: int) -> Piece | None:
+        """Echo: each prompt token's log-probability given those before it; None without logprobs. With
+        tokens to generate, the pass's cache serves the prompt's choices (job.shared): it runs once."""
+        r, ids = job.request, job.request.prompts[prompt]
+        if r.logprobs is None:
+            return None
+        if r.max_tokens == 0:
+            return self.logprobs.prompt(ids, r.logprobs)
+        ran = job.shared[prompt] = SharedPrompt(r.n)
+        piece = self.logprobs.prompt(ids, r.logprobs, into=ran)
+        if self.batch.prefixes is not None:
+            self.batch.prefixes.store(ids, ran.cache)
+        return piece
 
 
 def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:

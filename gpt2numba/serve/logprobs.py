@@ -14,6 +14,7 @@ import json
 
 import numpy as np
 
+from ..batching import SharedPrompt
 from ..forward import _forward, _logits_head, _prompt
 from ..kvcache import ModelCache
 from ..tokenizer import Tokenizer
@@ -75,22 +76,29 @@ class Logprobs:
                 top.append({self.text(int(t)): float(row[t]) for t in best})
         return Piece(_items(texts), _items(chosen), _items(top), tuple(map(len, texts)))
 
-    def prompt(self, ids: list[int], k: int) -> Piece:
+    def prompt(self, ids: list[int], k: int, into: SharedPrompt | None = None) -> Piece:
         """Echo: each prompt token's log-probability given those before it (null for the first).
 
         One forward pass over the prompt, whose head turns LOGPROB_ROWS rows at a time into logits and
-        then log-probabilities (as scoring.py's head does): no (T, vocab) array, 200 MB for 1,000 tokens."""
+        then log-probabilities (as scoring.py's head does): no (T, vocab) array, 200 MB for 1,000 tokens.
+        ``into`` (new) gets the pass's cache and the logits after the prompt: the prompt's sequences then
+        start from them instead of running the prompt again."""
         first = Piece(_items([self.text(ids[0])]), "null", "null", (len(self.text(ids[0])),))
-        if len(ids) == 1:
+        if len(ids) == 1 and into is None:
             return first
         mc = ModelCache(self.w.config, max_len=len(ids), dtype=self.kv_dtype)
         logits = _logits_head(self.w)
 
         def head(h: np.ndarray, chunks: int) -> list[Piece]:  # h: (T, n_embd), every position after ln_f
+            if into is not None:
+                into.logits = logits(h[-1:], chunks)[0]
             return [self.rows(logits(h[r0:min(r0 + LOGPROB_ROWS, len(ids) - 1)], chunks),
                               ids[r0 + 1:r0 + 1 + LOGPROB_ROWS], k) for r0 in range(0, len(ids) - 1, LOGPROB_ROWS)]
 
-        return join([first, *_forward([_prompt(ids, self.w, mc, "")], self.w, [mc], head, every_row=True)])
+        piece = join([first, *_forward([_prompt(ids, self.w, mc, "")], self.w, [mc], head, every_row=True)])
+        if into is not None:
+            into.cache = mc
+        return piece
 
 
 def _items(values: list) -> str:
