@@ -13,17 +13,19 @@ def randn(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def assert_matches_oracle(logits, ids, w, label):
-    """Cached logits against recompute_logits over the whole sequence ``ids``."""
-    ref = g.recompute_logits(ids, w)
+def assert_matches_oracle(logits, ids, w, label, ref=None):
+    """Cached logits against recompute_logits over the whole sequence ``ids`` (or ``ref``, the oracle's logits
+    after ``ids``, already computed). Returns the oracle's logits."""
+    ref = g.recompute_logits(ids, w) if ref is None else ref
     assert logits.dtype == np.float32 and logits.shape == (w.config.vocab_size,)
     record_diff(f"{label}, {len(ids)} tokens", float(np.abs(logits - ref).max()))
     ok, why = oracle.agreement(logits, ref, w.dtype)
     assert ok, f"{why} at {len(ids)} tokens"
+    return ref
 
 
 def check_prefill(ids, w, label):
-    """Fresh cache, prefill ``ids``: exactly len(ids) rows per layer, logits equal the oracle."""
+    """Fresh cache, prefill ``ids``: exactly len(ids) rows per layer, logits equal the oracle's (returned)."""
     T = len(ids)
     mc = g.ModelCache(w.config, max_len=min(w.config.n_positions, T + 8))
     mc.k[...] = 7.0  # a sentinel: any row written past T shows
@@ -35,12 +37,13 @@ def check_prefill(ids, w, label):
     assert mc.keys().shape == mc.values().shape == (cfg.n_layer, cfg.n_head, T, cfg.head_dim)
     assert (mc.k[:, :, T:] == 7.0).all() and (mc.v[:, :, T:] == 7.0).all(), "rows beyond T were written"
     assert not (mc.keys() == 7.0).all(axis=-1).any(), "a row below T was not written"
-    assert_matches_oracle(logits, ids, w, label)
+    return assert_matches_oracle(logits, ids, w, label)
 
 
 def check_chunks(ids, cuts, w, label):
     """Prefill ids[:cuts[0]], then chunks (decode_step for one-token chunks): oracle at every step."""
     mc = g.ModelCache(w.config)
+    refs = oracle.recompute_all_logits(ids, w)  # one pass: the logits after a position depend on none after it
     bounds = [0, *cuts, len(ids)]
     for lo, hi in zip(bounds, bounds[1:]):
         assert mc.length == lo
@@ -49,7 +52,7 @@ def check_chunks(ids, cuts, w, label):
         else:
             logits = g.prefill(ids[lo:hi], w, mc)
         assert mc.length == hi and (mc.lengths == hi).all()
-        assert_matches_oracle(logits, ids[:hi], w, label)
+        assert_matches_oracle(logits, ids[:hi], w, label, ref=refs[hi - 1])
 
 
 LENGTHS = (1, 3, 40, 7, 55, 2, 20)  # prompts of very different lengths, more of them than a batch

@@ -51,9 +51,10 @@ def round_kv(a: np.ndarray, kv_dtype: str) -> np.ndarray:
     return compact.from_bfloat16(compact.to_bfloat16(a32)).astype(np.float64)
 
 
-def rounded_logits(ids, w, kv_dtype: str, every_row: bool = False) -> np.ndarray:
+def rounded_logits(ids, w, kv_dtype: str, every_row: bool = False, last: int = 1) -> np.ndarray:
     """The oracle's forward pass (float32 weights) with every layer's K and V rounded as a kv_dtype cache
-    keeps them: float64 (vocab,) logits after the last position, or (len(ids), vocab) after every one."""
+    keeps them: float64 (vocab,) logits after the last position, (last, vocab) after each of the last
+    ``last`` > 1, or (len(ids), vocab) after every one."""
     ids = np.asarray(ids)
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
     eps, n_head = w.config.layer_norm_epsilon, w.config.n_head
@@ -67,18 +68,18 @@ def rounded_logits(ids, w, kv_dtype: str, every_row: bool = False) -> np.ndarray
         h = oracle.layer_norm(x, f64(w.ln_2_g[layer]), f64(w.ln_2_b[layer]), eps)
         x = x + oracle.gelu(h @ f64(w.c_fc_w[layer]) + f64(w.c_fc_b[layer])) @ f64(w.mlp_c_proj_w[layer]) \
             + f64(w.mlp_c_proj_b[layer])
-    h = oracle.layer_norm(x if every_row else x[-1:], f64(w.ln_f_g), f64(w.ln_f_b), eps)
-    return oracle.head(h, w) if every_row else oracle.head(h, w)[0]
+    h = oracle.layer_norm(x if every_row else x[-last:], f64(w.ln_f_g), f64(w.ln_f_b), eps)
+    return oracle.head(h, w) if every_row or last > 1 else oracle.head(h, w)[0]
 
 
 def prompts(max_len):
     return st.lists(st.integers(0, TINY.vocab_size - 1), min_size=1, max_size=max_len).map(np.array)
 
 
-def check_logits(logits, ids, w, kv_dtype, label, exact=None):
+def check_logits(logits, ids, w, kv_dtype, label, exact=None, rounded=None):
     """logits (V,) after ``ids`` with a kv_dtype cache: near the rounded reference, and within the stated
-    bound of the oracle. exact: the oracle's logits, if already computed."""
-    rounded = rounded_logits(ids, w, kv_dtype)
+    bound of the oracle. exact, rounded: the oracle's and the rounded reference's logits, if already computed."""
+    rounded = rounded_logits(ids, w, kv_dtype) if rounded is None else rounded
     exact = g.recompute_logits(ids, w) if exact is None else exact
     to_rounded, to_exact = float(np.abs(logits - rounded).max()), float(np.abs(logits - exact).max())
     effect, size = float(np.abs(rounded - exact).max()), float(np.abs(exact).max())
@@ -250,12 +251,16 @@ def test_gpt2_small_shapes_within_the_bound(small, kv_dtype):
     steps, each against the rounded reference and the oracle."""
     ids = list(np.random.default_rng(3).integers(0, small.config.vocab_size, 200))
     mc = g.ModelCache(small.config, max_len=210, dtype=kv_dtype)
-    logits = g.prefill(ids, small, mc)
-    for step in range(4):
-        check_logits(logits, ids, small, kv_dtype, "small")
-        if step < 3:
-            ids.append(int(np.argmax(logits)))
-            logits = g.decode_step(ids[-1], small, mc)
+    cached = [g.prefill(ids, small, mc)]
+    for _ in range(3):
+        ids.append(int(np.argmax(cached[-1])))
+        cached.append(g.decode_step(ids[-1], small, mc))
+    # the logits after a position depend on none after it: one pass of each reference serves the 4 checks
+    rounded = rounded_logits(ids, small, kv_dtype, last=4)
+    h, f32 = oracle.final_states(ids, small)
+    exact = oracle.head(h[-4:], f32)
+    for i, logits in enumerate(cached):
+        check_logits(logits, ids[:200 + i], small, kv_dtype, "small", exact=exact[i], rounded=rounded[i])
 
 
 @pytest.mark.parametrize("kv_dtype", COMPACT)
