@@ -75,6 +75,7 @@ class Batch:
     def __init__(self, w: GPT2Weights, size: int, prefixes: PrefixCache | None = None, kv_dtype: str = "float32"):
         self.w, self.size, self.prefixes, self.kv_dtype = w, size, prefixes, check_kv_dtype(kv_dtype)
         self.sequences: list[Sequence] = []
+        self.paused: list[Sequence] = []  # out of the steps for now, their caches kept (pause, resume)
         self._logits = np.empty((size, w.config.vocab_size), np.float32)  # (size, vocab), reused by every step
 
     @property
@@ -108,8 +109,24 @@ class Batch:
         self.sequences.append(seq)
         return seq
 
+    def pause(self, seq: Sequence) -> None:
+        """Take a decoding sequence out of the steps, its cache kept, so that its place can go to another;
+        resume(seq) puts it back, to go on as if it had not paused."""
+        assert seq.new_tokens > 0 and seq.feed  # its prompt has run (no sequence waits on it), a token to feed
+        self.sequences.remove(seq)
+        self.paused.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        assert not self.full
+        self.paused.remove(seq)
+        self.sequences.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Stop a sequence now (its cache goes with it). A leader whose prompt has not run hands it on."""
+        if seq in self.paused:
+            self.paused.remove(seq)
+            seq.cache = None
+            return
         self.sequences.remove(seq)
         shared = seq.shared
         if shared is not None and shared.leader is seq and seq.cache.length < seq.prompt_len:

@@ -295,23 +295,27 @@ def test_bodies_that_are_not_json_or_too_big(server):
 
 def test_a_full_queue_gets_503(server):
     """Fill the batch and the queue, watching /health, then one request more: 503 with Retry-After. The
-    batch is held by one request of n = 128 long choices (it stays queued while choices of it wait); the
-    queue by requests that stream. Nothing depends on how fast the machine is: each step waits on /health."""
+    batch is held by MAX_BATCH requests of one long choice each (a request's only place is never taken from
+    it); the queue by requests that stream. Nothing depends on how fast the machine is: each step waits on
+    /health."""
     auth = {"Authorization": f"Bearer {KEY}"}
     with httpx.Client(base_url=server.url, headers=auth, timeout=300,
-                      limits=httpx.Limits(max_connections=MAX_QUEUE + 8)) as client, contextlib.ExitStack() as open_:
+                      limits=httpx.Limits(max_connections=MAX_BATCH + MAX_QUEUE + 2)) as client, \
+            contextlib.ExitStack() as open_:
         def stream(body):
             return open_.enter_context(client.stream("POST", "/v1/completions", json={"stream": True, **body}))
 
-        held = stream({"prompt": "y", "max_tokens": CONFIG.n_positions - 1, "n": 128, "ignore_eos": True})
-        wait_until(lambda: server.health() == {"status": "ok", "active": MAX_BATCH, "queued": 1}, "a full batch")
+        held = [stream({"prompt": "y", "max_tokens": CONFIG.n_positions - 1, "ignore_eos": True})
+                for _ in range(MAX_BATCH)]
+        wait_until(lambda: server.health() == {"status": "ok", "active": MAX_BATCH, "queued": 0}, "a full batch")
         waiting = [stream({"prompt": f"w{i}", "max_tokens": 2, "ignore_eos": True,
-                           "stream_options": {"include_usage": True}}) for i in range(MAX_QUEUE - 1)]
+                           "stream_options": {"include_usage": True}}) for i in range(MAX_QUEUE)]
         wait_until(lambda: server.health()["queued"] == MAX_QUEUE, "a full queue")
         busy = client.post("/v1/completions", json={"prompt": "z", "max_tokens": 1}, timeout=120)  # (no compute)
         assert busy.status_code == 503 and busy.headers["retry-after"], busy.text
         assert busy.json()["error"]["type"] == "server_error"
-        held.close()  # the client leaves: its choices leave the batch, and the queued requests are served
+        for r in held:  # the clients leave: their choices leave the batch, and the queued requests are served
+            r.close()
         for r in waiting:
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
             assert events[-1]["usage"]["completion_tokens"] == 2 and events[-2]["choices"][0]["finish_reason"] == "length"

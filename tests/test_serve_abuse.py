@@ -307,6 +307,54 @@ def test_echo_is_serialised_once_for_the_n_choices():
     assert isinstance(echoed[0].top_logprobs, str) and np.isfinite(json.loads(f"[{echoed[0].token_logprobs}]")[1])
 
 
+def test_a_small_request_takes_a_place_from_a_large_one():
+    """Every place of the batch held by one request: a request with nothing in flight pauses one of its
+    choices (cache kept), ends within a few steps, and the paused choice goes on as if it had not paused
+    (was: the small request waited for a place to free, 96x its time alone)."""
+    import asyncio
+
+    from gpt2numba.serve import Engine, Job, parse_completion
+
+    w, tok = g.random_weights(CONFIG, seed=5), g.load_tokenizer()
+    engine = Engine(w, tok, max_batch=2)
+    engine.start()
+
+    def request(**body):
+        body = {"prompt": "x", "temperature": 0, "ignore_eos": True, **body}
+        return parse_completion(body, tok, CONFIG.n_positions, CONFIG.vocab_size)
+
+    async def texts(job, *read):
+        """Each choice's text, from the job's events (``read``: the first ones, already taken)."""
+        by_choice, events = {}, list(read)
+        while not events or events[-1][0] != "done":
+            events.append(await asyncio.wait_for(job.events.get(), 300))
+        for event in events:
+            if event[0] == "text":
+                by_choice[event[1]] = by_choice.get(event[1], "") + event[2]
+        return by_choice
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        alone, large, small = (Job(request(n=4, max_tokens=60), loop), Job(request(n=4, max_tokens=60), loop),
+                               Job(request(prompt="small", max_tokens=2), loop))
+        engine.submit(alone)
+        alone = await texts(alone)
+        engine.submit(large)
+        first = await asyncio.wait_for(large.events.get(), 300)  # its first token: both places are its own
+        engine.submit(small)
+        await texts(small)
+        events_then = large.events.qsize()  # (events come in step order: these, before the small one's end)
+        return alone, await texts(large, first), events_then
+
+    try:
+        alone, large, events_then = asyncio.run(run())
+    finally:
+        engine.stop()
+    assert engine.preemptions == 1
+    assert events_then < 2 * 30  # a few steps of two places, not the 60 steps its first two choices take
+    assert large == alone  # greedy: the same text, with a pause in one choice and without
+
+
 def test_draining_fails_requests_not_started_and_finishes_the_others():
     """Shutdown's first step (Engine.drain): a request with no choice started gets 503 at once; one under
     way goes on to its end, its choices not yet started too (was: every request ran or waited until the

@@ -73,7 +73,7 @@ def histogram(found: dict, name: str) -> tuple[float, float]:
 
 def gauges(found: dict) -> tuple:
     return tuple(value(found, f"gpt2numba_num_{what}") for what in ("requests_waiting", "choices_waiting",
-                                                                    "sequences_running"))
+                                                                    "sequences_running", "sequences_paused"))
 
 
 def statuses(found: dict) -> dict:
@@ -133,7 +133,7 @@ def test_the_counters_add_up_to_the_requests_sent(monkeypatch):
     assert tpot[0] == sum(c for _, _, _, c in SERVED)
     assert whole[0] == len(SERVED)  # served in full: not the failures
     assert 0 < ttft[1] <= whole[1] and tpot[1] > 0  # each request's first token comes before its end
-    assert gauges(found) == (0, 0, 0)
+    assert gauges(found) == (0, 0, 0, 0)
 
 
 def test_the_queue_and_the_batch_are_read_at_each_scrape(monkeypatch):
@@ -161,13 +161,13 @@ def test_the_queue_and_the_batch_are_read_at_each_scrape(monkeypatch):
         try:
             with client.stream("POST", "/v1/completions", json=body) as r:
                 assert held.wait(600), "the engine's first step"
-                assert gauges(scrape(client)) == (1, 2, 1)
+                assert gauges(scrape(client)) == (1, 2, 1, 0)
                 release.set()
                 assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
         finally:
             release.set()
         found = scrape(client)
-    assert gauges(found) == (0, 0, 0)
+    assert gauges(found) == (0, 0, 0, 0)
     assert value(found, "gpt2numba_generation_tokens", "gpt2numba_generation_tokens_total") == 9
 
 
@@ -187,11 +187,12 @@ def test_the_prefix_cache_is_read_at_each_scrape():
     metrics; one with it shows each count, read anew at every scrape. Catches: engine.prefixes read without
     a default (today's engine fails the scrape), values copied once when the server starts, two counts
     swapped, a count exported as a gauge."""
-    engine = types.SimpleNamespace(queued=2, queued_choices=5, active=3)  # today's engine: no .prefixes
+    engine = types.SimpleNamespace(queued=2, queued_choices=5, active=3, paused=1, preemptions=4)  # no .prefixes
     metrics = Metrics()
     metrics.watch(engine)
     found = families(metrics.text().decode())
-    assert gauges(found) == (2, 5, 3) and not [name for name in found if "prefix" in name]
+    assert gauges(found) == (2, 5, 3, 1) and not [name for name in found if "prefix" in name]
+    assert value(found, "gpt2numba_num_preemptions", "gpt2numba_num_preemptions_total") == 4
     engine.prefixes = None  # switched off
     assert not [name for name in families(metrics.text().decode()) if "prefix" in name]
     engine.prefixes = cache = PrefixCache(0, 0, 0, 0, 0, 0)

@@ -104,11 +104,19 @@ class Waiting:
         self._jobs.append(job)
         self.choices += waiting
 
-    def take(self):
-        """(job, choice index) of the next choice to start, round-robin over the jobs; None if none waits."""
+    def find(self, wanted):
+        """The first waiting job for which wanted(job) is true, or None."""
+        return next((job for job in self._jobs if wanted(job)), None)
+
+    def take(self, job=None):
+        """(job, choice index) of the next choice to start: job's if given (a waiting job), else round-robin
+        over the jobs; None if none waits."""
         if not self._jobs:
             return None
-        job = self._jobs.popleft()
+        if job is None:
+            job = self._jobs.popleft()
+        else:
+            self._jobs.remove(job)
         index = job.started
         job.started += 1
         self.choices -= 1

@@ -14,6 +14,7 @@ the moment it leaves (finished, cancelled or failed), whoever still holds the jo
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import threading
@@ -153,6 +154,7 @@ class Engine:
         self._owner: dict[Sequence, tuple[Job, _Choice]] = {}
         self._wake = threading.Condition()
         self._stopping = self._draining = False
+        self.preemptions = 0  # choices paused for another request's (_pause_one)
         self._ready = threading.Event()
         self._emitted: list[Job] = []  # jobs with events in their outbox
         # Every kernel runs on this one thread, the warm-up too: libgomp gives each thread that opens
@@ -212,8 +214,13 @@ class Engine:
 
     @property
     def active(self) -> int:
-        """Sequences in the batch."""
-        return len(self.batch.sequences)
+        """Sequences in flight: in the batch, or paused for a while to give a place to another request."""
+        return len(self.batch.sequences) + len(self.batch.paused)
+
+    @property
+    def paused(self) -> int:
+        """Sequences paused (the batch's places given to requests with nothing in flight), to resume."""
+        return len(self.batch.paused)
 
     # the engine thread
     def _warm_up(self) -> None:
@@ -281,7 +288,7 @@ class Engine:
 
     def _leave(self, sequence: Sequence) -> None:
         """A sequence leaves: out of the batch (its cache freed there) and out of its choice."""
-        if sequence in self.batch.sequences:
+        if sequence in self.batch.sequences or sequence in self.batch.paused:
             self.batch.remove(sequence)
         _, choice = self._owner.pop(sequence)
         choice.sequence = None
@@ -300,11 +307,22 @@ class Engine:
             self._fail(job, SHUTTING_DOWN, 503)
 
     def _admit(self) -> None:
-        """Waiting choices into free places of the batch, round-robin (their prompts run in chunks of the
-        step's budget); echo's log-probabilities on the way."""
-        while not self.batch.full:
+        """Free places of the batch to a request with nothing in flight first, then to paused choices, then to
+        waiting choices round-robin (their prompts run in chunks of the step's budget); echo's
+        log-probabilities on the way. With no place free, a request with nothing in flight takes one from the
+        request with the most places, if it holds two or more: that choice pauses, its cache kept, and
+        resumes when a place frees. So a small request never waits for a large one to finish."""
+        while True:
+            in_flight = {self._owner[seq][0] for seq in (*self.batch.sequences, *self.batch.paused)}
             with self._wake:
-                head = self.waiting.take()
+                newcomer = self.waiting.find(lambda job: job not in in_flight)
+            if newcomer is None and self.batch.paused and not self.batch.full:
+                self.batch.resume(self.batch.paused[0])
+                continue
+            if self.batch.full and (newcomer is None or not self._pause_one()):
+                return
+            with self._wake:
+                head = self.waiting.take(newcomer)
             if head is None:
                 return
             job, index = head
@@ -313,6 +331,17 @@ class Engine:
             except Exception as e:  # a bug: this request fails, the others go on
                 log.exception("starting a request failed")
                 self._fail(job, f"internal error: {type(e).__name__}: {e}")
+
+    def _pause_one(self) -> bool:
+        """Pause the latest decoding sequence of the request with the most places, if it holds two or more."""
+        places = collections.Counter(self._owner[seq][0] for seq in self.batch.sequences)
+        job, held = places.most_common(1)[0] if places else (None, 0)
+        decoding = [seq for seq in self.batch.sequences if self._owner[seq][0] is job and seq.new_tokens > 0]
+        if held < 2 or not decoding:
+            return False
+        self.batch.pause(decoding[-1])
+        self.preemptions += 1
+        return True
 
     def _start(self, job: Job, index: int) -> None:
         r = job.request

@@ -90,7 +90,11 @@ class _EngineState:
                                 value=engine.queued)
         yield GaugeMetricFamily("gpt2numba_num_choices_waiting", "Choices not yet started, over every request",
                                 value=engine.queued_choices)
-        yield GaugeMetricFamily("gpt2numba_num_sequences_running", "Sequences in the batch", value=engine.active)
+        yield GaugeMetricFamily("gpt2numba_num_sequences_running", "Sequences in flight (in the batch or paused)",
+                                value=engine.active)
+        yield GaugeMetricFamily("gpt2numba_num_sequences_paused", "Sequences paused, their places given to "
+                                "requests with nothing in flight", value=engine.paused)
+        yield CounterMetricFamily("gpt2numba_num_preemptions", "Sequences paused so far", value=engine.preemptions)
         prefixes = getattr(engine, "prefixes", None)  # None: no prefix cache (or an engine without one)
         if prefixes is None:
             return
