@@ -355,6 +355,59 @@ def test_a_small_request_takes_a_place_from_a_large_one():
     assert large == alone  # greedy: the same text, with a pause in one choice and without
 
 
+def test_a_paused_choice_resumes_when_the_batch_empties(monkeypatch):
+    """Two places, both held by one request's choices after its first step: a request of one token pauses
+    one of them, and in the next step every sequence in the batch ends. The engine goes on with the paused
+    choice (was: it slept with it, waiting for a request to come)."""
+    import asyncio
+    import threading
+
+    from gpt2numba.batching import Batch
+    from gpt2numba.serve import Engine, Job, parse_completion
+
+    armed, stepped, go = threading.Event(), threading.Event(), threading.Event()
+    step = Batch.step
+
+    def held_step(self, max_prompt_rows=None):  # the first step after the warm-up waits for `go`
+        out = step(self, max_prompt_rows)
+        if armed.is_set() and not go.is_set():
+            stepped.set()
+            go.wait(600)
+        return out
+
+    monkeypatch.setattr(Batch, "step", held_step)
+    w, tok = g.random_weights(CONFIG, seed=5), g.load_tokenizer()
+    engine = Engine(w, tok, max_batch=2)
+    engine.start()
+    armed.set()
+
+    def request(**body):
+        return parse_completion({"prompt": "x", "ignore_eos": True, **body}, tok, CONFIG.n_positions,
+                                CONFIG.vocab_size)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        large, small = Job(request(n=2, max_tokens=2), loop), Job(request(max_tokens=1), loop)
+        engine.submit(large)
+        assert await asyncio.to_thread(stepped.wait, 600), "the large request's first step"
+        engine.submit(small)
+        go.set()
+        ends = []
+        for job in (small, large):
+            events = [await asyncio.wait_for(job.events.get(), 60)]
+            while events[-1][0] not in ("done", "error"):
+                events.append(await asyncio.wait_for(job.events.get(), 60))
+            ends.append(events[-1])
+        return ends
+
+    try:
+        ends = asyncio.run(run())
+    finally:
+        go.set()
+        engine.stop()
+    assert ends == [("done",), ("done",)] and engine.preemptions == 1
+
+
 def test_draining_fails_requests_not_started_and_finishes_the_others():
     """Shutdown's first step (Engine.drain): a request with no choice started gets 503 at once; one under
     way goes on to its end, its choices not yet started too (was: every request ran or waited until the

@@ -246,7 +246,7 @@ class Engine:
         """Wait for work, then admit and run one step; False once stopping. (A method, so that nothing of
         the step, a sequence or a row of logits, stays referenced while the thread waits.)"""
         with self._wake:
-            while not (self._stopping or len(self.waiting) or self.batch.sequences):
+            while not (self._stopping or len(self.waiting) or self.batch.sequences or self.batch.paused):
                 self._wake.wait()
             if self._stopping:
                 return False
