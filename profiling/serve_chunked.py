@@ -80,7 +80,8 @@ async def _measure(url: str, positions: int, args) -> dict:
             await asyncio.sleep(0.01)
         t0 = time.perf_counter()
         t1 = t0 + await _first_token(client, rng.integers(0, 50256, args.long_tokens).tolist())
-        await asyncio.sleep(0.5)  # some tokens after it, so that every gap across t1 has ended
+        while min(t[-1] for t in times) <= t1:  # a token after it in every stream: every gap across t1 has ended
+            await asyncio.sleep(0.005)
         done.set()
         await asyncio.gather(*streams)
     before = [b - a for t in times for a, b in zip(t, t[1:]) if b <= t0 and a >= t[args.settle // 2]]

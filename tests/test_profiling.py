@@ -249,9 +249,10 @@ def test_serve_load_script(tmp_path):
 
 
 def test_serve_chunked_script(tmp_path):
-    """The chunked-prefill measurement against servers it starts on a tiny model with GPT-2's vocabulary."""
+    """The chunked-prefill measurement against servers it starts on a tiny model with GPT-2's vocabulary (512
+    positions: the streams must outlast the measurement, on a busy machine too)."""
     pytest.importorskip("httpx", reason="the load generator needs httpx (the [serve] extra)")
-    write_dir(g.random_weights(dataclasses.replace(TINY_GPT2, n_positions=128), seed=0), tmp_path / "ckpt")
+    write_dir(g.random_weights(dataclasses.replace(TINY_GPT2, n_positions=512), seed=0), tmp_path / "ckpt")
     out = tmp_path / "chunked.json"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "serve_chunked.py"), "--model", str(tmp_path / "ckpt"),
                         "--step-tokens", "8", "0", "--streams", "2", "--prompt-tokens", "8", "--long-tokens", "60",
