@@ -110,3 +110,24 @@ def check_generate_batch(prompts, w, batch_size, max_new_tokens=8):
     for i, ids in enumerate(prompts):
         alone = list(g.generate(ids, w, max_new_tokens=max_new_tokens, temperature=0, stop_at_eos=False))
         assert got[i] == alone, f"prompt {i}: {got[i]} != {alone} alone"
+
+
+def hold_after_first_step(monkeypatch):
+    """Batch.step patched: once ``armed`` is set, the first step to end sets ``stepped`` and waits there (on
+    the engine thread, its events not yet out) until ``go`` is set. Returns (armed, stepped, go)."""
+    import threading
+
+    from gpt2numba.batching import Batch
+
+    armed, stepped, go = threading.Event(), threading.Event(), threading.Event()
+    step = Batch.step
+
+    def held_step(self, max_prompt_rows=None):
+        out = step(self, max_prompt_rows)
+        if armed.is_set() and not go.is_set():
+            stepped.set()
+            go.wait(600)
+        return out
+
+    monkeypatch.setattr(Batch, "step", held_step)
+    return armed, stepped, go

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import gpt2numba as g
+from helpers import hold_after_first_step
 from test_serve import CONFIG, KEY, Server, wait_until
 
 httpx = pytest.importorskip("httpx")
@@ -307,21 +308,29 @@ def test_echo_is_serialised_once_for_the_n_choices():
     assert isinstance(echoed[0].top_logprobs, str) and np.isfinite(json.loads(f"[{echoed[0].token_logprobs}]")[1])
 
 
+def started_engine(max_batch: int, **defaults):
+    """An engine over the tiny model, started, and a maker of its requests (each body over ``defaults``)."""
+    from gpt2numba.serve import Engine, parse_completion
+
+    w, tok = g.random_weights(CONFIG, seed=5), g.load_tokenizer()
+    engine = Engine(w, tok, max_batch=max_batch)
+    engine.start()
+
+    def request(**body):
+        body = {"prompt": "x", "ignore_eos": True, **defaults, **body}
+        return parse_completion(body, tok, CONFIG.n_positions, CONFIG.vocab_size)
+    return engine, request
+
+
 def test_a_small_request_takes_a_place_from_a_large_one():
     """Every place of the batch held by one request: a request with nothing in flight pauses one of its
     choices (cache kept), ends within a few steps, and the paused choice goes on as if it had not paused
     (was: the small request waited for a place to free, 96x its time alone)."""
     import asyncio
 
-    from gpt2numba.serve import Engine, Job, parse_completion
+    from gpt2numba.serve import Job
 
-    w, tok = g.random_weights(CONFIG, seed=5), g.load_tokenizer()
-    engine = Engine(w, tok, max_batch=2)
-    engine.start()
-
-    def request(**body):
-        body = {"prompt": "x", "temperature": 0, "ignore_eos": True, **body}
-        return parse_completion(body, tok, CONFIG.n_positions, CONFIG.vocab_size)
+    engine, request = started_engine(2, temperature=0)
 
     async def texts(job, *read):
         """Each choice's text, from the job's events (``read``: the first ones, already taken)."""
@@ -360,30 +369,12 @@ def test_a_paused_choice_resumes_when_the_batch_empties(monkeypatch):
     one of them, and in the next step every sequence in the batch ends. The engine goes on with the paused
     choice (was: it slept with it, waiting for a request to come)."""
     import asyncio
-    import threading
 
-    from gpt2numba.batching import Batch
-    from gpt2numba.serve import Engine, Job, parse_completion
+    from gpt2numba.serve import Job
 
-    armed, stepped, go = threading.Event(), threading.Event(), threading.Event()
-    step = Batch.step
-
-    def held_step(self, max_prompt_rows=None):  # the first step after the warm-up waits for `go`
-        out = step(self, max_prompt_rows)
-        if armed.is_set() and not go.is_set():
-            stepped.set()
-            go.wait(600)
-        return out
-
-    monkeypatch.setattr(Batch, "step", held_step)
-    w, tok = g.random_weights(CONFIG, seed=5), g.load_tokenizer()
-    engine = Engine(w, tok, max_batch=2)
-    engine.start()
-    armed.set()
-
-    def request(**body):
-        return parse_completion({"prompt": "x", "ignore_eos": True, **body}, tok, CONFIG.n_positions,
-                                CONFIG.vocab_size)
+    armed, stepped, go = hold_after_first_step(monkeypatch)
+    engine, request = started_engine(2)
+    armed.set()  # (after the engine's warm-up)
 
     async def run():
         loop = asyncio.get_running_loop()
@@ -414,15 +405,9 @@ def test_draining_fails_requests_not_started_and_finishes_the_others():
     grace ran out, then was cut)."""
     import asyncio
 
-    from gpt2numba.serve import Engine, Job, parse_completion
+    from gpt2numba.serve import Job
 
-    w, tok = g.random_weights(CONFIG, seed=5), g.load_tokenizer()
-    engine = Engine(w, tok, max_batch=1)
-    engine.start()
-
-    def request(**body):
-        body = {"prompt": "x", "max_tokens": 100, "ignore_eos": True, **body}
-        return parse_completion(body, tok, CONFIG.n_positions, CONFIG.vocab_size)
+    engine, request = started_engine(1, max_tokens=100)
 
     async def run():
         loop = asyncio.get_running_loop()

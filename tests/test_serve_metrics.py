@@ -4,12 +4,12 @@ sleeps: the engine counts a step's tokens and a request's times before it hands 
 the routes count a status before its answer's last byte, so a scrape sent after an answer finds it counted;
 where a test needs the engine to stand still, it holds it with an event."""
 
-import threading
 import types
 
 import pytest
 
 import gpt2numba as g
+from helpers import hold_after_first_step
 from test_serve import CONFIG, KEY
 
 pytest.importorskip("starlette", reason="the server needs the [serve] extra")
@@ -141,19 +141,7 @@ def test_the_queue_and_the_batch_are_read_at_each_scrape(monkeypatch):
     /metrics shows one sequence running, one request and two choices waiting; after the answer, none.
     Catches: gauges set when something happens and not read (left at their last value), choices waiting
     counted as requests, the batch's size for the sequences in it."""
-    from gpt2numba.batching import Batch
-
-    armed, held, release = threading.Event(), threading.Event(), threading.Event()
-    step = Batch.step
-
-    def held_step(self, max_prompt_rows=None):  # on the engine thread: after the step, before its events go out
-        out = step(self, max_prompt_rows)
-        if armed.is_set() and not release.is_set():
-            held.set()
-            release.wait(600)
-        return out
-
-    monkeypatch.setattr(Batch, "step", held_step)
+    armed, held, release = hold_after_first_step(monkeypatch)
     app = serve.create_app(g.random_weights(CONFIG, seed=5), g.load_tokenizer(), max_batch=1)
     body = {"prompt": ids(3), "max_tokens": 3, "n": 3, "stream": True, "ignore_eos": True}
     with TestClient(app) as client:
