@@ -40,11 +40,12 @@ SHUTTING_DOWN = "the server is shutting down"
 
 # Prompt rows a step feeds beside its decode rows (chunked prefill): a 1,000-token prompt is prefilled over
 # several steps, and the sequences in flight take a token at each of them instead of waiting for the whole
-# prompt. Measured (profiling/serve_chunked.py, GPT-2 small, 2 threads, 8 streams): with 32, their slowest
-# gaps while it runs are 2.3x a plain step (16: 2.2x, 64: 3.5x, whole: 18x), and its first token comes
-# 9.3 s after it arrives (64: 4.7 s, whole: 2.3 s). A step of many rows reads the weights once for all of
-# them, so prompt-heavy loads go faster with more: docs/serving.md has the table.
-MAX_STEP_TOKENS = 32
+# prompt. Measured (profiling/serve_chunked.py, GPT-2 small, 2 threads, 8 streams), the streams' slowest gaps
+# while it runs against a plain step: with 16, 2.2x and 2.4x in two sessions (32: 2.3x and 3.3x, 64: 3.5x
+# and 4.7x, whole: 18x and 27x); its first token comes 6.7-11 s after it arrives (64: 2.8-4.7 s, whole:
+# 1.5-2.3 s). A step of many rows reads the weights once for all of them, so prompt-heavy loads go faster
+# with more: docs/serving.md has the tables.
+MAX_STEP_TOKENS = 16
 
 # Memory for the keys and values of recent prompts' blocks (prefixes.py): 256 MB holds 3,400 prompt tokens of
 # GPT-2 small, 1,300 of GPT-2 medium. 0 turns the prefix cache off.
