@@ -274,6 +274,16 @@ def test_the_api_key_from_a_file_or_the_environment(tmp_path, source):
         s.stop()
 
 
+async def job_events(job, *read, timeout: float = 300) -> list[tuple]:
+    """A job's events up to its last ("done" or "error"), after ``read`` (the first ones, already taken)."""
+    import asyncio
+
+    events = list(read)
+    while not events or events[-1][0] not in ("done", "error"):
+        events.append(await asyncio.wait_for(job.events.get(), timeout))
+    return events
+
+
 def test_echo_is_serialised_once_for_the_n_choices():
     """The engine emits one serialised piece for an echoed prompt, the same object for each of its n
     choices: the response repeats its text, nothing computes or serialises it again (was: a dict per
@@ -291,10 +301,7 @@ def test_echo_is_serialised_once_for_the_n_choices():
                                   "max_tokens": 1}, tok, CONFIG.n_positions, CONFIG.vocab_size)
             job = Job(r, asyncio.get_running_loop())
             engine.submit(job)
-            out = []
-            while not out or out[-1][0] != "done":
-                out.append(await asyncio.wait_for(job.events.get(), 300))
-            return out
+            return await job_events(job)
 
         out = asyncio.run(events())
     finally:
@@ -334,10 +341,8 @@ def test_a_small_request_takes_a_place_from_a_large_one():
 
     async def texts(job, *read):
         """Each choice's text, from the job's events (``read``: the first ones, already taken)."""
-        by_choice, events = {}, list(read)
-        while not events or events[-1][0] != "done":
-            events.append(await asyncio.wait_for(job.events.get(), 300))
-        for event in events:
+        by_choice = {}
+        for event in await job_events(job, *read):
             if event[0] == "text":
                 by_choice[event[1]] = by_choice.get(event[1], "") + event[2]
         return by_choice
@@ -383,13 +388,7 @@ def test_a_paused_choice_resumes_when_the_batch_empties(monkeypatch):
         assert await asyncio.to_thread(stepped.wait, 600), "the large request's first step"
         engine.submit(small)
         go.set()
-        ends = []
-        for job in (small, large):
-            events = [await asyncio.wait_for(job.events.get(), 60)]
-            while events[-1][0] not in ("done", "error"):
-                events.append(await asyncio.wait_for(job.events.get(), 60))
-            ends.append(events[-1])
-        return ends
+        return [(await job_events(job, timeout=60))[-1] for job in (small, large)]
 
     try:
         ends = asyncio.run(run())
@@ -419,10 +418,7 @@ def test_draining_fails_requests_not_started_and_finishes_the_others():
             engine.submit(waiting)
             engine.drain()
         refused = await asyncio.wait_for(waiting.events.get(), 300)
-        events = [first]
-        while events[-1][0] not in ("done", "error"):
-            events.append(await asyncio.wait_for(running.events.get(), 300))
-        return refused, events
+        return refused, await job_events(running, first)
 
     try:
         refused, events = asyncio.run(run())
@@ -462,10 +458,7 @@ def test_a_step_prefills_a_bounded_number_of_prompt_rows(monkeypatch):
                 "ignore_eos": True}
         job = Job(parse_completion(body, tok, CONFIG.n_positions, CONFIG.vocab_size), asyncio.get_running_loop())
         engine.submit(job)
-        events = [await asyncio.wait_for(job.events.get(), 300)]
-        while events[-1][0] not in ("done", "error"):
-            events.append(await asyncio.wait_for(job.events.get(), 300))
-        return events
+        return await job_events(job)
 
     try:
         events = asyncio.run(run())
