@@ -6,8 +6,9 @@
 Writes a local task (seeded random words: a context of --context tokens and --choices endings of
 --endings tokens each, GPT-2's BPE) and runs it through lm_eval.simple_evaluate with the gpt2numba
 model, share_prefix=True and then False, one run each after a warm-up (an evaluation of 2 documents),
-on seeded random GPT-2 small (or --model). Prints each run's wall time and the time inside the model's loglikelihood, the
-speed-up, and how far the two runs' log-likelihoods and is_greedy are apart, sample by sample.
+on seeded random GPT-2 small (or --model). Prints each run's wall time and the time inside the model's
+loglikelihood, the speed-up, and how far the two runs' log-likelihoods and is_greedy are apart, sample
+by sample.
 With --score-batch, also score_batch over the same sequences (context + ending), shared or not.
 """
 

@@ -422,8 +422,8 @@ class Engine:
             return self.logprobs.prompt(ids, r.logprobs)
         ran = job.shared[prompt] = SharedPrompt(r.n)
         piece = self.logprobs.prompt(ids, r.logprobs, into=ran)
-        if self.batch.prefixes is not None:
-            self.batch.prefixes.store(ids, ran.cache)
+        if self.prefixes is not None:
+            self.prefixes.store(ids, ran.cache)
         return piece
 
 
