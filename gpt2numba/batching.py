@@ -27,6 +27,13 @@ from .tokenizer import EOT_ID
 from .weights import GPT2Weights
 
 
+# Prompt rows a step may feed when no sequence is decoding (a budget smaller than this grows to it): there is
+# no pace to keep, and small chunks would read the weights once a chunk (a lone 512-token prompt's first token
+# took 3.6 s in 16-row chunks against 1.8 s in 32-row ones; docs/serving.md). 256 rows keep the products
+# arithmetic-bound while the step's time, and the workspace it sizes, stay bounded.
+IDLE_PROMPT_ROWS = 256
+
+
 class SharedPrompt:
     """One prompt prefilled once for ``uses`` sequences (each Batch.add with it counts one).
 
@@ -141,11 +148,12 @@ class Batch:
     def step(self, max_prompt_rows: int | None = None) -> list[tuple[Sequence, int, bool, np.ndarray]]:
         """One forward pass over every sequence: (sequence, its new token, whether it is done, its logits).
 
-        With ``max_prompt_rows``, prompts feed at most that many rows in all (the earliest added first), and
-        a prompt cut short goes on in the next step; every decode row runs. So a long prompt is prefilled in
-        chunks beside the other sequences' tokens instead of holding them up for its whole length (chunked
-        prefill). Only sequences whose prompt has run sample a token; the rest are not in the result.
-        A row of logits (vocab,) is valid until the next step. A done sequence has left the batch, and
+        With ``max_prompt_rows``, a step feeds at most that many prompt rows in all (the earliest added
+        first; IDLE_PROMPT_ROWS if larger and no sequence is decoding), and a prompt cut short goes on in
+        the next step; every decode row runs. So a long prompt is prefilled in chunks beside the other
+        sequences' tokens instead of holding them up for its whole length (chunked prefill). Only sequences
+        whose prompt has run sample a token; the rest are not in the result. A row of logits (vocab,) is
+        valid until the next step. A done sequence has left the batch, and
         its cache is gone (cache None).
         """
         seqs = list(self.sequences)
@@ -190,8 +198,12 @@ class Batch:
     @staticmethod
     def _rows(seqs: list[Sequence], max_prompt_rows: int | None) -> dict[Sequence, int]:
         """The rows each sequence feeds in this step: its token, or as much of its prompt as the budget
-        leaves, in the order the sequences were added (the first prompt finishes first)."""
+        leaves, in the order the sequences were added (the first prompt finishes first). With no token to
+        decode there is no pace to keep, and the budget grows to IDLE_PROMPT_ROWS."""
+        decoding = any(seq.feed and seq.new_tokens > 0 for seq in seqs)
         rows, budget = {}, max_prompt_rows
+        if budget is not None and not decoding:
+            budget = max(budget, IDLE_PROMPT_ROWS)
         for seq in seqs:
             if not seq.feed:
                 continue

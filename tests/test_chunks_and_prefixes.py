@@ -21,7 +21,8 @@ NEW_TOKENS = 3
 
 def run(w, plan, budget, prefixes=None):
     """Step a batch over ``plan`` (prompt, copies, the step it joins at, its new tokens), every copy of a
-    prompt sharing its prefill; returns each copy's [(token, logits row)] and the prompt rows each step fed.
+    prompt sharing its prefill; returns each copy's [(token, logits row)] and, per step, the prompt rows it
+    fed, the prompt rows there were to feed, and whether it decoded a token.
     The sampler ignores the logits and takes the planned tokens, so both runs feed the same tokens and their
     logits compare row for row however the prompts were cut."""
     batch = batching.Batch(w, sum(copies for _, copies, _, _ in plan), prefixes)
@@ -36,10 +37,11 @@ def run(w, plan, budget, prefixes=None):
                     key[seq] = (p, c)
                     out[p, c] = []
         before = {s: s.cache.length for s in batch.sequences if s.new_tokens == 0 and s.feed}  # prompts to feed
-        refs = {s: s.cache for s in before}
+        refs, pending = {s: s.cache for s in before}, sum(len(s.feed) for s in before)
+        decoding = any(s.new_tokens > 0 and s.feed for s in batch.sequences)
         for seq, token, _, row in batch.step(budget):
             out[key[seq]].append((token, row.copy()))
-        fed.append(sum(refs[s].length - n for s, n in before.items()))
+        fed.append((sum(refs[s].length - n for s, n in before.items()), pending, decoding))
         step += 1
     return out, fed
 
@@ -61,18 +63,41 @@ def plans(draw):
 @given(plan=plans(), budget=st.integers(1, 48))
 def test_chunked_prompts_give_the_logits_of_whole_ones(tiny, plan, budget):
     """With any budget, every sequence sees the logits it sees with its prompt in one step (to 1e-5), takes
-    the same tokens, and no step feeds more prompt rows than the budget (the shared copies none). Catches:
-    a chunk written at the wrong positions, a token sampled from the logits of a chunk that is not the last,
-    a copy that takes its leader's rows before its prompt has run, a budget spent twice or not at all."""
+    the same tokens; no step that decodes a token feeds more prompt rows than the budget, and a step that
+    decodes none feeds its prompts up to the larger idle budget (the shared copies none). Catches: a chunk
+    written at the wrong positions, a token sampled from the logits of a chunk that is not the last, a copy
+    that takes its leader's rows before its prompt has run, a budget spent twice or not at all, or spent in
+    small chunks with no token to keep pace with."""
     whole, _ = run(tiny, plan, None)
     chunked, fed = run(tiny, plan, budget)
-    assert max(fed) <= budget
-    assert sum(fed) == sum(len(prompt) for prompt, *_ in plan)  # each prompt once, for all its copies
+    for rows, pending, decoding in fed:
+        assert rows <= budget if decoding else rows == min(pending, max(budget, batching.IDLE_PROMPT_ROWS))
+    assert sum(rows for rows, *_ in fed) == sum(len(prompt) for prompt, *_ in plan)  # each prompt once
     assert chunked.keys() == whole.keys()
     for key, steps in whole.items():
         assert [t for t, _ in chunked[key]] == [t for t, _ in steps]
         for (_, a), (_, b) in zip(chunked[key], steps):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_a_lone_prompt_runs_in_large_chunks(tiny, monkeypatch):
+    """With nothing decoding, prompts run up to IDLE_PROMPT_ROWS rows a step whatever the budget: a 60-id
+    prompt and a 37-id one in one step at 100; once a sequence decodes, the budget holds again. Catches: a
+    budget spent in small chunks with no token to keep pace with (a lone long prompt's first token many
+    steps late), or no bound at all on an idle step."""
+    monkeypatch.setattr(batching, "IDLE_PROMPT_ROWS", 100)
+    batch, greedy = batching.Batch(tiny, 3), g.Sampler(0.0)
+    first = batch.add(list(range(60)), max_new_tokens=3, sampler=greedy, rng=np.random.default_rng(0))
+    second = batch.add(list(range(3, 40)), max_new_tokens=5, sampler=greedy, rng=np.random.default_rng(0))
+    assert [seq for seq, *_ in batch.step(16)] == [first, second]
+    assert first.cache.length == 60 and second.cache.length == 37
+    third = batch.add(list(range(40)), max_new_tokens=2, sampler=greedy, rng=np.random.default_rng(0))
+    batch.step(16)
+    assert third.cache.length == 16
+    lone = batching.Batch(tiny, 1)
+    long = lone.add(list(range(62)), max_new_tokens=2, sampler=greedy, rng=np.random.default_rng(0))
+    monkeypatch.setattr(batching, "IDLE_PROMPT_ROWS", 50)
+    assert lone.step(16) == [] and long.cache.length == 50
 
 
 def test_a_long_prompt_runs_beside_the_tokens_of_others(tiny):
@@ -90,19 +115,21 @@ def test_a_long_prompt_runs_beside_the_tokens_of_others(tiny):
 
 
 def test_a_leader_removed_mid_prompt_hands_it_on(tiny):
-    """The sequence prefilling a shared prompt in chunks is cancelled half-way: the next copy prefills it
-    from the start, and both copies left get the prompt's logits. Catches: a hand-over only for leaders that
-    had not started (copies left waiting, or copying half a prompt)."""
+    """The sequence prefilling a shared prompt in chunks (beside a sequence decoding) is cancelled half-way:
+    the next copy prefills it from the start, and both copies left get the prompt's logits. Catches: a
+    hand-over only for leaders that had not started (copies left waiting, or copying half a prompt)."""
     prompt = list(range(5, 35))
     expected = int(np.argmax(g.prefill(prompt, tiny, g.ModelCache(TINY))))
-    batch, shared = batching.Batch(tiny, 3), batching.SharedPrompt(3)
+    batch, shared = batching.Batch(tiny, 4), batching.SharedPrompt(3)
+    running = batch.add([1, 2, 3], max_new_tokens=10, sampler=g.Sampler(0.0), rng=np.random.default_rng(0))
+    batch.step(8)
     seqs = [batch.add(prompt, max_new_tokens=2, sampler=g.Sampler(0.0), rng=np.random.default_rng(0),
                       shared=shared) for _ in range(3)]
-    assert batch.step(8) == []
+    assert [s for s, *_ in batch.step(8)] == [running]
     batch.remove(seqs[0])
-    steps = [batch.step(8) for _ in range(4)]  # 30 ids, 8 a step, from the start again
-    assert steps[:3] == [[], [], []]
-    assert [(s, t) for s, t, _, _ in steps[3]] == [(seqs[1], expected), (seqs[2], expected)]
+    steps = [[(s, t) for s, t, _, _ in batch.step(8) if s is not running] for _ in range(4)]  # from the start
+    assert steps[:3] == [[], [], []]  # 30 ids, 8 a step
+    assert steps[3] == [(seqs[1], expected), (seqs[2], expected)]
     assert seqs[1].cache.length == seqs[2].cache.length == len(prompt)
 
 
@@ -149,7 +176,8 @@ def test_prompts_from_cached_prefixes_give_the_logits_of_whole_ones(tiny, plan, 
     for _ in range(2):
         found = prefixes.hit_tokens
         cached, fed = run(tiny, plan, budget, prefixes)
-        assert sum(fed) == sum(len(prompt) for prompt, *_ in plan) - (prefixes.hit_tokens - found)
+        fed_rows = sum(rows for rows, *_ in fed)
+        assert fed_rows == sum(len(prompt) for prompt, *_ in plan) - (prefixes.hit_tokens - found)
         assert len(prefixes) <= blocks
         assert all(block.key[0] is None or block.key[0] in prefixes._recent for block in prefixes._recent)
         for key, steps in whole.items():

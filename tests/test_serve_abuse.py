@@ -429,25 +429,29 @@ def test_draining_fails_requests_not_started_and_finishes_the_others():
 
 
 def test_a_step_prefills_a_bounded_number_of_prompt_rows(monkeypatch):
-    """Long prompts are prefilled --max-step-tokens rows a step (chunked), so the sequences in flight are
-    not held up by one huge step, and the forward pass's workspace, sized by the largest step, stays small
-    (was: 16 prompts of 1,000 tokens in one step, 24 s and 490 MB kept)."""
+    """Long prompts are prefilled --max-step-tokens rows a step beside decode rows (chunked), so the sequences
+    in flight are not held up by one huge step, and IDLE_PROMPT_ROWS when nothing decodes, so the forward
+    pass's workspace, sized by the largest step, stays small (was: 16 prompts of 1,000 tokens in one step,
+    24 s and 490 MB kept)."""
     import asyncio
 
+    from gpt2numba import batching
     from gpt2numba.batching import Batch
     from gpt2numba.serve import Engine, Job, parse_completion
 
-    prefilled = []  # prompt rows of each step
+    prefilled = []  # (prompt rows, whether a sequence decoded) of each step
     step = Batch.step
 
     def counted(self, max_prompt_rows=None):
         before = {s: s.cache.length for s in self.sequences if s.new_tokens == 0 and s.feed}
         caches = {s: s.cache for s in before}
+        decoding = any(s.new_tokens > 0 and s.feed for s in self.sequences)
         out = step(self, max_prompt_rows)
-        prefilled.append(sum(caches[s].length - n for s, n in before.items()))
+        prefilled.append((sum(caches[s].length - n for s, n in before.items()), decoding))
         return out
 
     monkeypatch.setattr(Batch, "step", counted)
+    monkeypatch.setattr(batching, "IDLE_PROMPT_ROWS", 64)
     w, tok = g.random_weights(CONFIG, seed=5), g.load_tokenizer()
     engine = Engine(w, tok, max_batch=8, max_step_tokens=40)
     engine.start()
@@ -465,4 +469,6 @@ def test_a_step_prefills_a_bounded_number_of_prompt_rows(monkeypatch):
     finally:
         engine.stop()
     assert events[-1] == ("done",)
-    assert max(prefilled) == 40 and sum(prefilled) == 6 * 30 + 100  # every prompt row once, 40 a step at most
+    assert sum(rows for rows, _ in prefilled) == 6 * 30 + 100  # every prompt row once
+    assert max(rows for rows, decoding in prefilled if decoding) == 40  # 40 a step beside decode rows
+    assert max(rows for rows, _ in prefilled) == 64  # and the idle bound when nothing decodes
