@@ -7,11 +7,24 @@ so wall time per call is the kernel's time), runs the step --repeat times after 
 warm-up, and prints the median total per kind in ms and its share. With --batch B, also one
 decode_batch step of B sequences, all at --context and then a ragged mix of
 contexts 16..900 (seeded): the difference between the two is the extra attention.
+
+With --neighbour NICE, each step also runs beside a busy loop (`python -c 'while True: pass'`)
+at that nice, alternating with the runs alone, and the table gives each kind alone, beside
+it, and the ratio; then, from the kernel's scheduler statistics for this process's threads
+(/proc/self/task/*/schedstat, Linux), per step: the CPU time they got, how long they were
+runnable but waiting for a CPU, and how many times they went to sleep. That says where a
+neighbour's time goes: into waiting for a core, or into running slower on one.
 """
 
 import argparse
 import collections
+import contextlib
+import os
+import signal
+import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -23,7 +36,7 @@ MATRIX_KINDS = {"c_attn_w": "qkv (c_attn)", "attn_c_proj_w": "attn c_proj",
                 "c_fc_w": "mlp c_fc", "mlp_c_proj_w": "mlp c_proj"}
 
 
-def instrument(totals, cfg):
+def instrument(totals):
     """Replace forward's kernels with timed wrappers; return a function that undoes it."""
     kinds = {"_layernorm": lambda *a, **k: "layernorm", "_write_kv": lambda *a, **k: "cache write",
              "_attend": lambda *a, **k: "attention", "_gelu": lambda *a, **k: "gelu",
@@ -44,26 +57,83 @@ def instrument(totals, cfg):
     return lambda: [setattr(forward, name, fn) for name, fn in saved.items()]
 
 
-def profile(label, step, repeat, cfg):
-    runs, walls = [], []
-    for i in range(repeat + 1):
-        totals = collections.defaultdict(float)
-        undo = instrument(totals, cfg)
-        t = time.perf_counter()
-        try:
-            step()
-        finally:
-            undo()
-        if i:  # the first run warms up
-            walls.append(time.perf_counter() - t)
-            runs.append(totals)
-    wall = np.median(walls)
-    print(f"\n{label}: median {1e3 * wall:.2f} ms over {repeat} runs")
-    rows = {k: np.median([r[k] for r in runs]) for k in runs[0]}
+def thread_stats() -> np.ndarray:
+    """For this (the calling) thread and, summed, the others (the threading layer's workers): CPU ns, ns
+    runnable but waiting for a CPU, and voluntary context switches (times a thread went to sleep).
+    Zeros where /proc has no schedstat."""
+    total, me = np.zeros((2, 3)), str(threading.get_native_id())
+    for task in Path("/proc/self/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            cpu, delay, _ = (task / "schedstat").read_text().split()
+            status = (task / "status").read_text()
+            sleeps = next(line.split()[1] for line in status.splitlines() if line.startswith("voluntary_ctxt"))
+            total[int(task.name != me)] += (int(cpu), int(delay), int(sleeps))
+    return total
+
+
+@contextlib.contextmanager
+def busy_loop(nice):
+    """A plain Python busy loop in its own process at ``nice`` (None: nothing) while the block runs. Spawned,
+    not forked: a fork would run the threading layer's fork handlers here (TBB stops and restarts its
+    workers), and the threads measured would not be the ones a user's process has."""
+    if nice is None:
+        yield
+        return
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-c", f"import os; os.nice({nice})\nwhile True: pass"],
+                         os.environ)
+    time.sleep(0.2)  # let it reach its loop
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def profile(step, repeat, nices=(None,)):
+    """Per condition (a neighbour's nice, None alone), alternating: the median wall seconds, the median
+    seconds per kernel kind, and the median thread statistics (thread_stats) of ``repeat`` runs."""
+    runs = {nice: ([], [], []) for nice in nices}
+    step()  # warm up
+    for i in range(repeat):
+        for nice in nices[i % len(nices):] + nices[:i % len(nices)]:
+            walls, kinds, stats = runs[nice]
+            totals = collections.defaultdict(float)
+            with busy_loop(nice):
+                undo = instrument(totals)
+                before, t = thread_stats(), time.perf_counter()
+                try:
+                    step()
+                finally:
+                    walls.append(time.perf_counter() - t)
+                    stats.append(thread_stats() - before)
+                    undo()
+            kinds.append(totals)
+    return {nice: (np.median(walls), {k: np.median([r[k] for r in kinds]) for k in kinds[0]},
+                   np.median(stats, axis=0)) for nice, (walls, kinds, stats) in runs.items()}
+
+
+def report(label, results, repeat):
+    """Print one step's profile: each kind's ms and share alone, and beside the neighbour when there is one."""
+    wall, rows, stats = results[None]
+    others = [nice for nice in results if nice is not None]
+    print(f"\n{label}: median {1e3 * wall:.2f} ms over {repeat} runs"
+          + "".join(f"; beside a busy loop at nice {n}: {1e3 * results[n][0]:.2f} ms "
+                    f"({results[n][0] / wall:.2f}x)" for n in others))
+    rows = {**rows, "(python, embed)": wall - sum(rows.values())}
+    for n in others:
+        results[n][1]["(python, embed)"] = results[n][0] - sum(results[n][1].values())
     for kind, sec in sorted(rows.items(), key=lambda kv: -kv[1]):
-        print(f"  {kind:<14} {1e3 * sec:8.2f} ms  {100 * sec / wall:5.1f}%")
-    rest = wall - sum(rows.values())
-    print(f"  {'(python, embed)':<14} {1e3 * rest:8.2f} ms  {100 * rest / wall:5.1f}%")
+        line = f"  {kind:<16} {1e3 * sec:8.2f} ms  {100 * sec / wall:5.1f}%"
+        for n in others:
+            beside = results[n][1][kind]
+            line += f"   {1e3 * beside:8.2f} ms  {beside / sec if sec else float('nan'):5.2f}x"
+        print(line)
+    if others:
+        print(f"  {'threads':<22} {'CPU ms':>8}  {'waiting for a CPU ms':>20}  {'sleeps':>6}")
+        for n in [None, *others]:
+            for who, (cpu, delay, sleeps) in zip(("calling", "workers"), results[n][2]):
+                label = f"{'alone' if n is None else f'nice {n}'}, {who}"
+                print(f"  {label:<22} {cpu / 1e6:8.2f}  {delay / 1e6:20.2f}  {sleeps:6.0f}")
 
 
 def main():
@@ -74,7 +144,9 @@ def main():
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--batch", type=int, default=0, help="also a decode step of this many sequences")
+    p.add_argument("--neighbour", type=int, metavar="NICE", help="also beside a busy loop at this nice")
     args = p.parse_args()
+    nices = (None,) if args.neighbour is None else (None, args.neighbour)
     w = (g.load_weights(args.model, dtype=args.dtype) if args.model
          else g.random_weights(g.GPT2Config.small(), seed=0, dtype=args.dtype))
     rng = np.random.default_rng(0)
@@ -86,7 +158,7 @@ def main():
     def one_prefill():
         mc.reset()
         g.prefill(prompt, w, mc)
-    profile(f"prefill of {args.prompt} tokens", one_prefill, args.repeat, w.config)
+    report(f"prefill of {args.prompt} tokens", profile(one_prefill, args.repeat, nices), args.repeat)
 
     mc.reset()
     g.prefill(prompt[: args.context], w, mc)
@@ -95,7 +167,7 @@ def main():
         g.decode_step(1, w, mc)
         mc._length -= 1  # decode the same position again (test-only rewind)
         mc._lengths[:] -= 1
-    profile(f"decode step after {args.context} tokens", one_decode, args.repeat, w.config)
+    report(f"decode step after {args.context} tokens", profile(one_decode, args.repeat, nices), args.repeat)
 
     if args.batch:
         top = min(900, w.config.n_positions - 1)
@@ -111,7 +183,8 @@ def main():
                 for mc in caches:  # decode the same positions again (test-only rewind)
                     mc._length -= 1
                     mc._lengths[:] -= 1
-            profile(f"decode step of {args.batch} sequences {label}", one_batch_step, args.repeat, w.config)
+            report(f"decode step of {args.batch} sequences {label}", profile(one_batch_step, args.repeat, nices),
+                   args.repeat)
 
 
 if __name__ == "__main__":

@@ -93,12 +93,13 @@ def test_bench_score(tmp_path):
 def test_profile_step_script(tmp_path):
     write_dir(g.random_weights(TINY, seed=0), tmp_path)
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "profile_step.py"), "--model", str(tmp_path),
-                        "--prompt", "12", "--context", "5", "--repeat", "2", "--dtype", "int8", "--batch", "3"],
-                       capture_output=True, text=True, timeout=600)
+                        "--prompt", "12", "--context", "5", "--repeat", "2", "--dtype", "int8", "--batch", "3",
+                        "--neighbour", "10"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     for kind in ("attention", "qkv (c_attn)", "mlp c_fc", "gelu", "layernorm", "cache write", "head (wte)"):
         assert kind in r.stdout
     assert "decode step of 3 sequences at context 5 each" in r.stdout and "(ragged)" in r.stdout
+    assert "beside a busy loop at nice 10" in r.stdout and "nice 10, workers" in r.stdout
 
 
 def _bench_throughput(tmp_path, *extra):
