@@ -31,6 +31,7 @@ from . import inttiles
 from .intkernels import INT4_ROWS_MAX, INT_ROWS_MAX, _int_matmul, _round_rows
 from .kernels import _attend, _attention_plan, _gelu, _layernorm, _write_kv, attend_width
 from .matkernels import (
+    BF16_ROWS_MAX,
     HEAD_ROWS_MAX,
     ROWS_MAX,
     _expand_bf16,
@@ -284,7 +285,7 @@ def _matmul(x, field, layer, b, out, accumulate, w, work, chunks):
     # Blocks of tokens are whole GEMMs, each fastest as large as it can be (on 2 cores, 2 blocks of
     # 256 rows beat 8 of 64 by a quarter, with a busy neighbour or without): one block a thread.
     blocks = chunks if split_k else chunks // CHUNKS_PER_THREAD
-    if 2 <= T <= ROWS_MAX and K % 8 == 0:  # a few rows read the matrix as stored
+    if 2 <= T <= (ROWS_MAX if w.dtype == "float32" else BF16_ROWS_MAX) and K % 8 == 0:  # few rows: as stored
         _linear_rows(x, matrix, b, scratch, out, accumulate, chunks)
     elif w.dtype == "float32":
         _linear(x, matrix, b, scratch, out, accumulate, blocks, split_k)
@@ -352,8 +353,9 @@ def _split_k(T: int) -> bool:
     Measured on 2 cores with GPT-2 small's matrices: splitting the weights wins from
     1 token to 256 (each thread reads only its part of them), except at 2 tokens,
     where one matrix-vector product per thread wins; from 256 on, splitting the
-    tokens is as fast or faster and needs no partial sums. (2 to ROWS_MAX rows go to
-    _linear_rows instead whenever K is a multiple of 8, as in every GPT-2.)
+    tokens is as fast or faster and needs no partial sums. (2 to ROWS_MAX rows, or
+    BF16_ROWS_MAX in bfloat16, go to _linear_rows instead whenever K is a multiple of
+    8, as in every GPT-2.)
     """
     return T != 2 and T <= 256
 

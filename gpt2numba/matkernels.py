@@ -15,7 +15,7 @@ from numba.extending import overload
 
 from .chunks import _claim
 from .intkernels import _widen_group
-from .kernels import FASTMATH, ROW_CHUNKS, SERIAL_ROWS, _as_float32, _exp_inplace
+from .kernels import FASTMATH, ROW_CHUNKS, SERIAL_ROWS, _as_float32, _exp_inplace, _x86_features
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -167,9 +167,20 @@ def _rows_update(x, t, u, k, w, lo, hi, a, b):
         b[j] += ((y0 * v0 + y1 * v1) + (y2 * v2 + y3 * v3)) + ((y4 * v4 + y5 * v5) + (y6 * v6 + y7 * v7))
 
 
-# Up to this many rows, _linear_rows beats single-threaded BLAS blocks (measured on 2 cores,
-# GPT-2 small's matrices): BLAS repacks the weights for so few rows.
-ROWS_MAX = 64
+def _rows_max() -> tuple[int, int]:
+    """Up to how many rows _linear_rows beats single-threaded BLAS blocks, (float32, bfloat16), for the CPU
+    Numba compiles for: BLAS repacks the weights for so few rows, and bfloat16 must first widen them.
+    Measured on 2 cores, GPT-2 small's matrices, decode_batch steps: with AVX-512 (an AMD EPYC) the kernel
+    won up to 64 rows; with AVX2 only (an AMD EPYC, Zen 3), BLAS was level from 10 to 16 rows of float32
+    and 1.26-1.43x faster from 24 to 64, while bfloat16 held level to 32 (BLAS 1.24x faster at 64).
+    Off x86, unmeasured: 64, as before."""
+    features = _x86_features()
+    if features is None or "avx512f" in features:
+        return 64, 64
+    return 16, 32
+
+
+ROWS_MAX, BF16_ROWS_MAX = _rows_max()
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
