@@ -131,3 +131,13 @@ def hold_after_first_step(monkeypatch):
 
     monkeypatch.setattr(Batch, "step", held_step)
     return armed, stepped, go
+
+
+def counted_step(step, batch, budget):
+    """Run ``step`` (Batch.step, or the original under a patch) on ``batch`` with ``budget``; return its
+    result and (the prompt rows it fed, the prompt rows there were to feed, whether a sequence decoded)."""
+    before = {s: s.cache.length for s in batch.sequences if s.new_tokens == 0 and s.feed}  # prompts to feed
+    caches, pending = {s: s.cache for s in before}, sum(len(s.feed) for s in before)
+    decoding = any(s.new_tokens > 0 and s.feed for s in batch.sequences)
+    out = step(batch, budget)
+    return out, (sum(caches[s].length - n for s, n in before.items()), pending, decoding)

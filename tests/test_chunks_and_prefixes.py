@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import gpt2numba as g
 from conftest import TINY, TINY_GPT2
+from helpers import counted_step
 from gpt2numba import batching
 from gpt2numba.prefixes import BLOCK, PrefixCache
 
@@ -36,12 +37,10 @@ def run(w, plan, budget, prefixes=None):
                                     sampler=lambda row, ids, rng, tokens=tokens, n=len(prompt): tokens[len(ids) - n])
                     key[seq] = (p, c)
                     out[p, c] = []
-        before = {s: s.cache.length for s in batch.sequences if s.new_tokens == 0 and s.feed}  # prompts to feed
-        refs, pending = {s: s.cache for s in before}, sum(len(s.feed) for s in before)
-        decoding = any(s.new_tokens > 0 and s.feed for s in batch.sequences)
-        for seq, token, _, row in batch.step(budget):
+        results, counts = counted_step(batching.Batch.step, batch, budget)
+        for seq, token, _, row in results:
             out[key[seq]].append((token, row.copy()))
-        fed.append((sum(refs[s].length - n for s, n in before.items()), pending, decoding))
+        fed.append(counts)
         step += 1
     return out, fed
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import gpt2numba as g
-from helpers import hold_after_first_step
+from helpers import counted_step, hold_after_first_step
 from test_serve import CONFIG, KEY, Server, wait_until
 
 httpx = pytest.importorskip("httpx")
@@ -436,21 +436,17 @@ def test_a_step_prefills_a_bounded_number_of_prompt_rows(monkeypatch):
     import asyncio
 
     from gpt2numba import batching
-    from gpt2numba.batching import Batch
     from gpt2numba.serve import Engine, Job, parse_completion
 
-    prefilled = []  # (prompt rows, whether a sequence decoded) of each step
-    step = Batch.step
+    prefilled = []  # (prompt rows fed, prompt rows to feed, whether a sequence decoded) of each step
+    step = batching.Batch.step
 
     def counted(self, max_prompt_rows=None):
-        before = {s: s.cache.length for s in self.sequences if s.new_tokens == 0 and s.feed}
-        caches = {s: s.cache for s in before}
-        decoding = any(s.new_tokens > 0 and s.feed for s in self.sequences)
-        out = step(self, max_prompt_rows)
-        prefilled.append((sum(caches[s].length - n for s, n in before.items()), decoding))
+        out, counts = counted_step(step, self, max_prompt_rows)
+        prefilled.append(counts)
         return out
 
-    monkeypatch.setattr(Batch, "step", counted)
+    monkeypatch.setattr(batching.Batch, "step", counted)
     monkeypatch.setattr(batching, "IDLE_PROMPT_ROWS", 64)
     w, tok = g.random_weights(CONFIG, seed=5), g.load_tokenizer()
     engine = Engine(w, tok, max_batch=8, max_step_tokens=40)
@@ -469,6 +465,6 @@ def test_a_step_prefills_a_bounded_number_of_prompt_rows(monkeypatch):
     finally:
         engine.stop()
     assert events[-1] == ("done",)
-    assert sum(rows for rows, _ in prefilled) == 6 * 30 + 100  # every prompt row once
-    assert max(rows for rows, decoding in prefilled if decoding) == 40  # 40 a step beside decode rows
-    assert max(rows for rows, _ in prefilled) == 64  # and the idle bound when nothing decodes
+    assert sum(rows for rows, *_ in prefilled) == 6 * 30 + 100  # every prompt row once
+    assert max(rows for rows, _, decoding in prefilled if decoding) == 40  # 40 a step beside decode rows
+    assert max(rows for rows, *_ in prefilled) == 64  # and the idle bound when nothing decodes
