@@ -91,7 +91,8 @@ def busy_loop(nice):
 
 def profile(step, repeat, nices=(None,)):
     """Per condition (a neighbour's nice, None alone), alternating: the median wall seconds, the median
-    seconds per kernel kind, and the median thread statistics (thread_stats) of ``repeat`` runs."""
+    seconds per kernel kind (the rest of the wall time as "(python, embed)"), and the median thread
+    statistics (thread_stats) of ``repeat`` runs."""
     runs = {nice: ([], [], []) for nice in nices}
     step()  # warm up
     for i in range(repeat):
@@ -108,20 +109,20 @@ def profile(step, repeat, nices=(None,)):
                     stats.append(thread_stats() - before)
                     undo()
             kinds.append(totals)
-    return {nice: (np.median(walls), {k: np.median([r[k] for r in kinds]) for k in kinds[0]},
-                   np.median(stats, axis=0)) for nice, (walls, kinds, stats) in runs.items()}
+    out = {}
+    for nice, (walls, kinds, stats) in runs.items():
+        wall, rows = np.median(walls), {k: np.median([r[k] for r in kinds]) for k in kinds[0]}
+        out[nice] = wall, {**rows, "(python, embed)": wall - sum(rows.values())}, np.median(stats, axis=0)
+    return out
 
 
 def report(label, results, repeat):
     """Print one step's profile: each kind's ms and share alone, and beside the neighbour when there is one."""
-    wall, rows, stats = results[None]
+    wall, rows, _ = results[None]
     others = [nice for nice in results if nice is not None]
     print(f"\n{label}: median {1e3 * wall:.2f} ms over {repeat} runs"
           + "".join(f"; beside a busy loop at nice {n}: {1e3 * results[n][0]:.2f} ms "
                     f"({results[n][0] / wall:.2f}x)" for n in others))
-    rows = {**rows, "(python, embed)": wall - sum(rows.values())}
-    for n in others:
-        results[n][1]["(python, embed)"] = results[n][0] - sum(results[n][1].values())
     for kind, sec in sorted(rows.items(), key=lambda kv: -kv[1]):
         line = f"  {kind:<16} {1e3 * sec:8.2f} ms  {100 * sec / wall:5.1f}%"
         for n in others:
