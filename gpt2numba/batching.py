@@ -153,8 +153,7 @@ class Batch:
         the next step; every decode row runs. So a long prompt is prefilled in chunks beside the other
         sequences' tokens instead of holding them up for its whole length (chunked prefill). Only sequences
         whose prompt has run sample a token; the rest are not in the result. A row of logits (vocab,) is
-        valid until the next step. A done sequence has left the batch, and
-        its cache is gone (cache None).
+        valid until the next step. A done sequence has left the batch, and its cache is gone (cache None).
         """
         seqs = list(self.sequences)
         if not seqs:
