@@ -105,10 +105,14 @@ def _systems(args, model_dir, w, tmp, notes):
         else:
             from ..gguf_export import write_gguf
 
+            try:  # a GGUF carries GPT-2's own vocabulary, which a test model may not have
+                paths = {fmt: write_gguf(w, tmp / f"gpt2-{fmt}.gguf", fmt) for fmt in LLAMA_FORMATS}
+            except ValueError as e:
+                notes.append(f"llama.cpp skipped: {e}")
+                return
             notes.append(f"llama.cpp runs {' and '.join(LLAMA_WORKLOADS)} only: llama-cpp-python's Llama holds "
                          "one sequence, so it has no generate_batch or score_batch to set beside ours")
-            for fmt in LLAMA_FORMATS:
-                path = write_gguf(w, tmp / f"gpt2-{fmt}.gguf", fmt)
+            for fmt, path in paths.items():
                 yield ("llama.cpp", fmt, lambda f=fmt, p=path: start_peer(llama.system, f"llama.cpp {f}", p, threads),
                        LLAMA_WORKLOADS)
 
