@@ -6,6 +6,9 @@ Profiles: "ci" (the default; the whole suite in a few minutes on 2 cores) and
 
 import dataclasses
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,6 +51,22 @@ def pytest_terminal_summary(terminalreporter):
             f"gpt2numba: {len(_max_diffs)} logit comparisons with the oracle, "
             f"max |cached - oracle| = {worst[1]:.3g} ({worst[0]})"
         )
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, the controller compiles the kernels into Numba's cache before the workers start
+    (warm_kernels.py, one process a core), so that each is compiled once, not once in every worker. A kernel
+    that fails to compile here fails again in its tests."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    shares = os.cpu_count() or 1
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(g.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    script = str(Path(__file__).with_name("warm_kernels.py"))
+    warming = [subprocess.Popen([sys.executable, script, str(i), str(shares)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(shares)]
+    for process in warming:
+        process.wait()
 
 
 def pytest_collection_modifyitems(items):
