@@ -4,7 +4,7 @@ A product with an integer matrix takes its input rows quantised to int8 per grou
 of GROUP (_quantize_rows). Up to INT_ROWS_MAX rows, _int_rows multiplies int8 by
 int8 (int4 unpacked in registers) into int32, one group at a time, and scales once
 per group; its dot product, _dot_row, is written in LLVM's vector IR so that every
-x86 gets the CPU's 8-bit multiply-add (pmaddwd, at the widest width it has). More
+x86 gets the CPU's 8-bit multiply-add (vpmaddubsw with AVX2, else pmaddwd). More
 rows go to inttiles.py, in tiles of rows and outputs. The BLAS heads of scoring take
 the inputs rounded to the same int8 values (_round_rows).
 
@@ -61,6 +61,37 @@ def _madd_pairs(builder, a, b):
         builder.mul(builder.sext(_lanes(builder, a, odd), half), builder.sext(_lanes(builder, b, odd), half)))
 
 
+def _madd_bytes(builder, w, x):
+    """(GROUP/4,) int32: sums of four adjacent products w_j * x_j for (GROUP,) int8 vectors w, x, exactly.
+
+    AVX2's vpmaddubsw multiplies unsigned bytes by signed ones and adds adjacent pairs into int16:
+    here |w| (a byte's sign taken off: -128 becomes the unsigned 128) by x with w's sign
+    (vpsignb; x is in [-127, 127], so negating it is exact). A pair is at most 2 x 128 x 127 =
+    32512 and never saturates. vpmaddwd with ones then adds adjacent int16 into int32. Four
+    instructions for GROUP products where _madd_pairs needs six (it widens both operands first).
+    """
+    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+    b32, h16, q8 = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
+
+    def call(name, ret, *args):
+        fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(ret, [a.type for a in args]),
+                                                             name)
+        return builder.call(fn, list(args))
+
+    ones = ir.Constant(h16, [1] * 16)
+    parts = []
+    for k in range(0, _GROUP, 32):
+        wk, xk = _lanes(builder, w, range(k, k + 32)), _lanes(builder, x, range(k, k + 32))
+        pairs = call("llvm.x86.avx2.pmadd.ub.sw", h16, call("llvm.x86.avx2.psign.b", b32, wk, wk),
+                     call("llvm.x86.avx2.psign.b", b32, xk, wk))
+        parts.append(call("llvm.x86.avx2.pmadd.wd", q8, pairs, ones))
+    while len(parts) > 1:  # concatenate the pieces back into one vector
+        parts = [builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, 2 * a.type.count),
+                                                          list(range(2 * a.type.count))))
+                 for a, b in zip(parts[::2], parts[1::2])]
+    return parts[0]
+
+
 def _lanes(builder, v, lanes):
     lanes = list(lanes)
     if lanes == list(range(v.type.count)):
@@ -77,6 +108,7 @@ def _madd_width():
 
 
 _MADD_WIDTH = _madd_width()
+_BYTE_MADD = _MADD_WIDTH >= 16 and _GROUP % 32 == 0  # AVX2's vpmaddubsw for one row's dot products (_dot_row)
 
 
 @intrinsic
@@ -87,9 +119,10 @@ def _dot_row(typingctx, w, ws, x, xs):
     w: 1-D int8 (K,) or uint8 packed int4 (K // 2,: byte j of a group holds w_j + 8 in
     its low nibble, w_{j+GROUP/2} + 8 in its high one); ws: float32 (K // GROUP,), w's
     scales; x: int8 (K,); xs: float32 (K // GROUP,). Written as LLVM vector IR: per
-    group, the 8-bit operands are sign-extended and multiplied in adjacent pairs that
-    are summed (_madd_pairs: pmaddwd on x86), the GROUP/2 int32 sums converted to float
-    and scaled into a vector accumulator; lanes are summed once per row. Unchecked: K is a multiple of GROUP, at least GROUP.
+    group, the 8-bit operands are multiplied and summed in fours (_madd_bytes, with AVX2)
+    or, sign-extended, in pairs (_madd_pairs: pmaddwd on x86), the int32 sums converted
+    to float and scaled into a vector accumulator; lanes are summed once per row.
+    Unchecked: K is a multiple of GROUP, at least GROUP.
     """
     def is_row(a, *dtypes):
         return isinstance(a, types.Array) and a.dtype in dtypes and a.ndim == 1 and a.layout == "C"
@@ -114,10 +147,11 @@ def _dot_row(typingctx, w, ws, x, xs):
         entry, loop, done = builder.block, builder.append_basic_block("dot_row"), builder.append_basic_block("dot_row_done")
         builder.branch(loop)
         builder.position_at_end(loop)
+        lanes_n = _GROUP // 4 if _BYTE_MADD else half  # int32 sums of a group
         g = builder.phi(i64)
-        acc = builder.phi(vec(f32, half))
+        acc = builder.phi(vec(f32, lanes_n))
         g.add_incoming(ir.Constant(i64, 0), entry)
-        acc.add_incoming(ir.Constant(vec(f32, half), [0.0] * half), entry)
+        acc.add_incoming(ir.Constant(vec(f32, lanes_n), [0.0] * lanes_n), entry)
         if packed:
             raw = load(wa.data, builder.mul(g, ir.Constant(i64, half)), vec(i8, half))
             low = builder.and_(raw, ir.Constant(vec(i8, half), [15] * half))
@@ -127,12 +161,15 @@ def _dot_row(typingctx, w, ws, x, xs):
         else:
             wv = load(wa.data, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, _GROUP))
         xv = load(xa.data, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, _GROUP))
-        pairs = _madd_pairs(builder, builder.sext(wv, vec(i16, _GROUP)), builder.sext(xv, vec(i16, _GROUP)))
+        if _BYTE_MADD:
+            sums = _madd_bytes(builder, wv, xv)
+        else:
+            sums = _madd_pairs(builder, builder.sext(wv, vec(i16, _GROUP)), builder.sext(xv, vec(i16, _GROUP)))
         scale = builder.fmul(load(wsa.data, g, f32), load(xsa.data, g, f32))
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(vec(f32, half), None), scale,
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(vec(f32, lanes_n), None), scale,
                                                               ir.Constant(i32, 0)),
-                                       ir.Constant(vec(f32, half), None), ir.Constant(vec(i32, half), [0] * half))
-        step = builder.fadd(acc, builder.fmul(builder.sitofp(pairs, vec(f32, half)), splat, flags=("contract",)),
+                                       ir.Constant(vec(f32, lanes_n), None), ir.Constant(vec(i32, lanes_n), [0] * lanes_n))
+        step = builder.fadd(acc, builder.fmul(builder.sitofp(sums, vec(f32, lanes_n)), splat, flags=("contract",)),
                             flags=("contract",))
         nxt = builder.add(g, ir.Constant(i64, 1))
         g.add_incoming(nxt, loop)

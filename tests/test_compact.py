@@ -131,6 +131,23 @@ def test_int_rows(shape, N, n_blocks, accumulate, bias, dtype, seed):
     np.testing.assert_array_equal(fused, out)
 
 
+@given(seed=st.integers(0, 2**32 - 1))
+def test_int_rows_exact_at_the_extremes(seed):
+    """Every byte product and sum exact at the extremes of int8 (-128 included, as a file may hold it): with unit
+    scales the sums are whole numbers below 2^24 that float32 holds, so no tolerance. A product that saturates
+    int16 in pairs, or takes -128's sign wrongly, fails."""
+    rng = np.random.default_rng(seed)
+    K, N = 4 * compact.GROUP, 6
+    w = rng.choice(np.array([-128, -127, 127, 0, 1], np.int8), (N, K))
+    w[0], w[1] = -128, 127  # a row of each extreme: every pair at its largest
+    xq = rng.choice(np.array([-127, 127, 0, -1], np.int8), (2, K))
+    xq[0] = -127
+    scale, xs = np.ones((N, K // compact.GROUP), np.float32), np.ones((2, K // compact.GROUP), np.float32)
+    out = np.empty((2, N), np.float32)
+    intkernels._int_rows(xq, xs, w, scale, None, out, False, 1)
+    np.testing.assert_array_equal(out, xq.astype(np.int64) @ w.astype(np.int64).T)
+
+
 def int64_products(xq, xs, stored, scale):
     """The integer products' function, plainly: per group an exact int64 sum of int8 products, times
     the two scales, summed over the groups in float64. xq (T, K) int8, xs (T, K // GROUP); stored, scale: W's."""
@@ -189,6 +206,8 @@ def test_integer_kernels_use_the_integer_multiply_add(dtype, kernel):
         fresh(np.zeros((rows, 64), np.int16), np.zeros((rows, 2), np.float32), 1, stored, scale, None, out, False, 1)
     asm = "\n".join(fresh.inspect_asm().values()).lower()
     assert any(op in asm for op in ("pmaddwd", "vpdpwssd", "vpdpbusd")), f"no 8-bit multiply-add in {kernel}"
+    if kernel == "_int_rows" and intkernels._BYTE_MADD:
+        assert "vpmaddubsw" in asm, "one row's dot products do not multiply bytes (AVX2's vpmaddubsw)"
     if kernel == "_int_tiles":
         lines = [line.split() for line in asm.splitlines() if line.strip() and not line.strip().startswith((".", "#"))]
         madds = [i for i, op in enumerate(lines) if op[0].endswith(("pmaddwd", "dpwssd"))]
