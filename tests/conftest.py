@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import gpt2numba as g
+import warm_kernels
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("ci", max_examples=12, **_common)
@@ -54,15 +55,18 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_configure(config):
-    """Under pytest-xdist, the controller compiles the kernels into Numba's cache before the workers start
-    (warm_kernels.py, one process a core), so that each is compiled once, not once in every worker. A kernel
-    that fails to compile here fails again in its tests."""
-    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+    """For the whole suite under pytest-xdist, the controller compiles the kernels into Numba's cache before the
+    workers start (warm_kernels.py, one process a core), so that each is compiled once, not once in every
+    worker. A part of the suite compiles what its tests need, as they run. A kernel that fails to compile here
+    fails again in its tests."""
+    here = Path(__file__).parent
+    if (hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+            or any(Path(arg.split("::")[0]).resolve() not in (here, here.parent) for arg in config.args)):
         return
-    shares = os.cpu_count() or 1
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(g.__file__).parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    script = str(Path(__file__).with_name("warm_kernels.py"))
+    shares = min(os.cpu_count() or 1, len(warm_kernels.FORMATS))
+    paths = [str(Path(g.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # the gpt2numba this run imports
+    script = str(here / "warm_kernels.py")
     warming = [subprocess.Popen([sys.executable, script, str(i), str(shares)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(shares)]
     for process in warming:
