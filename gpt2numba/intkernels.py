@@ -62,7 +62,8 @@ def _madd_pairs(builder, a, b):
 
 
 def _madd_bytes(builder, w, x):
-    """(GROUP/4,) int32: sums of four adjacent products w_j * x_j for (GROUP,) int8 vectors w, x, exactly.
+    """(GROUP/4,) int32: sums of four adjacent products w_j * x_j for (GROUP,) int8 vectors w, x, exactly,
+    for x in [-127, 127] (as _quantize_rows makes it; w may be any int8).
 
     AVX2's vpmaddubsw multiplies unsigned bytes by signed ones and adds adjacent pairs into int16:
     here |w| (a byte's sign taken off: -128 becomes the unsigned 128) by x with w's sign
@@ -108,7 +109,9 @@ def _madd_width():
 
 
 _MADD_WIDTH = _madd_width()
-_BYTE_MADD = _MADD_WIDTH >= 16 and _GROUP % 32 == 0  # AVX2's vpmaddubsw for one row's dot products (_dot_row)
+# AVX2's vpmaddubsw for one row's dot products (_dot_row); not with AVX-512, whose 512-bit pmaddwd path it
+# was not measured against
+_BYTE_MADD = _MADD_WIDTH == 16 and _GROUP % 32 == 0
 
 
 @intrinsic
@@ -118,7 +121,7 @@ def _dot_row(typingctx, w, ws, x, xs):
 
     w: 1-D int8 (K,) or uint8 packed int4 (K // 2,: byte j of a group holds w_j + 8 in
     its low nibble, w_{j+GROUP/2} + 8 in its high one); ws: float32 (K // GROUP,), w's
-    scales; x: int8 (K,); xs: float32 (K // GROUP,). Written as LLVM vector IR: per
+    scales; x: int8 (K,) in [-127, 127]; xs: float32 (K // GROUP,). Written as LLVM vector IR: per
     group, the 8-bit operands are multiplied and summed in fours (_madd_bytes, with AVX2)
     or, sign-extended, in pairs (_madd_pairs: pmaddwd on x86), the int32 sums converted
     to float and scaled into a vector accumulator; lanes are summed once per row.
@@ -249,7 +252,7 @@ def _round_rows(x, out):
 def _int_rows(xq, xs, w, scale, b, out, accumulate, n_blocks):
     """out (+)= x @ W.T (+ b) for a few rows, W an integer matrix read as stored.
 
-    xq: int8 (T, K), xs: (T, K // GROUP), the quantised input rows; w: int8 (N, K) or
+    xq: int8 (T, K) in [-127, 127], xs: (T, K // GROUP), the quantised input rows; w: int8 (N, K) or
     packed int4 uint8 (N, K // 2); scale: (N, K // GROUP); b: (N,) or None; out: (T, N).
     Each thread takes a block of W's rows (whole cache lines of out) and, while a
     row is in cache, its dot product with every input row: per group, an int32 sum

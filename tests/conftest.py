@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -26,6 +27,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 TINY = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=64, vocab_size=512)
 # TINY with GPT-2's vocabulary: for whatever goes through the tokenizer (text in or out)
 TINY_GPT2 = dataclasses.replace(TINY, vocab_size=50257)
+
+WARM_S = 900  # compiling every format's kernels: minutes on 2 busy cores
 
 _max_diffs = []  # (label, max |cached - oracle|), reported at the end of the run
 
@@ -56,21 +59,29 @@ def pytest_terminal_summary(terminalreporter):
 
 def pytest_configure(config):
     """For the whole suite under pytest-xdist, the controller compiles the kernels into Numba's cache before the
-    workers start (warm_kernels.py, one process a core), so that each is compiled once, not once in every
-    worker. A part of the suite compiles what its tests need, as they run. A kernel that fails to compile here
-    fails again in its tests."""
-    here = Path(__file__).parent
-    if (hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
-            or any(Path(arg.split("::")[0]).resolve() not in (here, here.parent) for arg in config.args)):
+    workers start (warm_kernels.py, one process a worker, up to one a format), so that each is compiled once,
+    not once in every worker. A part of the suite (paths, -k, -m, --lf) compiles what its tests need, as they
+    run. A kernel that fails to compile here fails again in its tests; a warm-up that fails is reported."""
+    here, option = Path(__file__).parent, config.option
+    workers = getattr(option, "numprocesses", None)
+    part = (option.keyword or option.markexpr or getattr(option, "lf", False) or option.collectonly
+            or any(Path(arg.split("::")[0]).resolve() not in (here, here.parent) for arg in config.args))
+    if hasattr(config, "workerinput") or not isinstance(workers, int) or workers < 1 or part or numba.config.DISABLE_JIT:
         return
-    shares = min(os.cpu_count() or 1, len(warm_kernels.FORMATS))
     paths = [str(Path(g.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # the gpt2numba this run imports
-    script = str(here / "warm_kernels.py")
-    warming = [subprocess.Popen([sys.executable, script, str(i), str(shares)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(shares)]
+    shares = min(workers, len(warm_kernels.FORMATS))
+    warming = [subprocess.Popen([sys.executable, str(here / "warm_kernels.py"), str(i), str(shares)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(shares)]
     for process in warming:
-        process.wait()
+        try:
+            _, err = process.communicate(timeout=WARM_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            err = f"no end after {WARM_S} s"
+        if process.returncode:
+            print(f"tests/warm_kernels.py {' '.join(process.args[2:])} failed, the workers compile alone: "
+                  f"{err.strip().splitlines()[-1] if err.strip() else process.returncode}", file=sys.stderr)
 
 
 def pytest_collection_modifyitems(items):

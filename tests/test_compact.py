@@ -192,8 +192,9 @@ def test_int_tiles(shape, N, n_workers, accumulate, bias, dtype, seed):
 @pytest.mark.parametrize("dtype", INTEGER)
 @pytest.mark.parametrize("kernel", ["_int_rows", "_int_tiles"])
 def test_integer_kernels_use_the_integer_multiply_add(dtype, kernel):
-    """The hot loops multiply 16-bit integers with the CPU's multiply-add (pmaddwd, or VNNI's), not scalar
-    code; the tiles take each row's pair of inputs by one broadcast, and keep their sums in registers."""
+    """The hot loops multiply with the CPU's integer multiply-add (pmaddwd or VNNI's; one row's dot products
+    vpmaddubsw on bytes with AVX2), not scalar code; the tiles take each row's pair of inputs by one broadcast,
+    and keep their sums in registers."""
     stored, scale = compact.quantize(np.ones((4, 64), np.float32), dtype)
     xq, xs = quantize_rows(np.ones((1, 64), np.float32))
     out = np.empty((1, 4), np.float32)

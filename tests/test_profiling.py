@@ -225,10 +225,28 @@ def test_bench_neighbour_ct2(tmp_path):
                for row in report["neighbour"])
     assert "CTranslate2" in r.stdout and "slowdown" in r.stdout
     why = ("llama-cpp-python is not installed" if importlib.util.find_spec("llama_cpp") is None
-           else "a GGUF carries GPT-2's vocabulary of 50257 tokens; these weights have 512")
+           else "a GGUF carries GPT-2's vocabulary of 50257 tokens; this model has 512")
     assert any(note.startswith(f"llama.cpp skipped: {why}") for note in report["notes"])
     assert f"llama.cpp skipped: {why}" in r.stdout
     assert all(row["system"] != "llama.cpp" for row in report["neighbour"])
+
+
+def test_bench_neighbour_llama(tmp_path):
+    """llama.cpp under the same neighbour, on GGUF files of a tiny model with GPT-2's vocabulary: decode and
+    prefill in F32 and Q8_0, and the note that it runs no more; where llama-cpp-python is installed."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp's benchmark needs llama-cpp-python (pip install -e '.[peers]')")
+    write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--neighbour", "--model", str(tmp_path / "ckpt"),
+                        "--threads", "1", "--idle-patience", "0", "--neighbour-systems", "llama",
+                        "--neighbour-repeat", "1", "--neighbour-steps", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert [(row["system"], row["workload"], row["dtype"]) for row in report["neighbour"]] == [
+        ("llama.cpp", w, f) for f in ("F32", "Q8_0") for w in ("decode", "prefill")]
+    assert all(min(row["seconds"].values()) > 0 for row in report["neighbour"])
+    assert any(note.startswith("llama.cpp runs decode and prefill only") for note in report["notes"])
 
 
 def test_serve_load_script(tmp_path):

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import GPT2Config
 from . import ct2, llama
 from .core import Load, Remote, gpt2numba_system, start_peer, wait_for_idle
 
@@ -105,11 +106,12 @@ def _systems(args, model_dir, w, tmp, notes):
         else:
             from ..gguf_export import write_gguf
 
-            try:  # a GGUF carries GPT-2's own vocabulary, which a test model may not have
-                paths = {fmt: write_gguf(w, tmp / f"gpt2-{fmt}.gguf", fmt) for fmt in LLAMA_FORMATS}
-            except ValueError as e:
-                notes.append(f"llama.cpp skipped: {e}")
+            vocab = GPT2Config.small().vocab_size
+            if w.config.vocab_size != vocab:  # a GGUF carries GPT-2's own vocabulary, which a test model may not have
+                notes.append(f"llama.cpp skipped: a GGUF carries GPT-2's vocabulary of {vocab} tokens; "
+                             f"this model has {w.config.vocab_size}")
                 return
+            paths = {fmt: write_gguf(w, tmp / f"gpt2-{fmt}.gguf", fmt) for fmt in LLAMA_FORMATS}
             notes.append(f"llama.cpp runs {' and '.join(LLAMA_WORKLOADS)} only: llama-cpp-python's Llama holds "
                          "one sequence, so it has no generate_batch or score_batch to set beside ours")
             for fmt, path in paths.items():
