@@ -39,21 +39,12 @@ def _madd_pairs(builder, a, b):
     see that the operands are 8-bit values (it then multiplies in 16 bits and widens), so
     on x86 the instruction is called by name, at the widest width the CPU has.
     """
-    i16, i32 = ir.IntType(16), ir.IntType(32)
+    i32 = ir.IntType(32)
     width = _MADD_WIDTH
     if width:
-        name = {32: "llvm.x86.avx512.pmaddw.d.512", 16: "llvm.x86.avx2.pmadd.wd", 8: "llvm.x86.sse2.pmadd.wd"}[width]
-        fn = builder.module.globals.get(name)
-        if fn is None:
-            fn = ir.Function(builder.module, ir.FunctionType(ir.VectorType(i32, width // 2),
-                                                             [ir.VectorType(i16, width)] * 2), name)
-        parts = [builder.call(fn, [_lanes(builder, a, range(k, k + width)), _lanes(builder, b, range(k, k + width))])
-                 for k in range(0, _GROUP, width)]
-        while len(parts) > 1:  # concatenate the pieces back into one vector
-            parts = [builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(i32, 2 * x.type.count),
-                                                              list(range(2 * x.type.count))))
-                     for x, y in zip(parts[::2], parts[1::2])]
-        return parts[0]
+        return _concat(builder, [_x86(builder, _PMADDWD[width], ir.VectorType(i32, width // 2),
+                                      _lanes(builder, a, range(k, k + width)), _lanes(builder, b, range(k, k + width)))
+                                 for k in range(0, _GROUP, width)])
     half = ir.VectorType(i32, _HALF_GROUP)
     even, odd = range(0, _GROUP, 2), range(1, _GROUP, 2)
     return builder.add(
@@ -71,23 +62,31 @@ def _madd_bytes(builder, w, x):
     32512 and never saturates. vpmaddwd with ones then adds adjacent int16 into int32. Four
     instructions for GROUP products where _madd_pairs needs six (it widens both operands first).
     """
-    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-    b32, h16, q8 = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
-
-    def call(name, ret, *args):
-        fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(ret, [a.type for a in args]),
-                                                             name)
-        return builder.call(fn, list(args))
-
+    b32, h16, q8 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(32), 8)
     ones = ir.Constant(h16, [1] * 16)
     parts = []
     for k in range(0, _GROUP, 32):
         wk, xk = _lanes(builder, w, range(k, k + 32)), _lanes(builder, x, range(k, k + 32))
-        pairs = call("llvm.x86.avx2.pmadd.ub.sw", h16, call("llvm.x86.avx2.psign.b", b32, wk, wk),
-                     call("llvm.x86.avx2.psign.b", b32, xk, wk))
-        parts.append(call("llvm.x86.avx2.pmadd.wd", q8, pairs, ones))
-    while len(parts) > 1:  # concatenate the pieces back into one vector
-        parts = [builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, 2 * a.type.count),
+        pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, _x86(builder, "llvm.x86.avx2.psign.b", b32, wk, wk),
+                     _x86(builder, "llvm.x86.avx2.psign.b", b32, xk, wk))
+        parts.append(_x86(builder, _PMADDWD[16], q8, pairs, ones))
+    return _concat(builder, parts)
+
+
+_PMADDWD = {32: "llvm.x86.avx512.pmaddw.d.512", 16: "llvm.x86.avx2.pmadd.wd", 8: "llvm.x86.sse2.pmadd.wd"}  # by int16 lanes
+
+
+def _x86(builder, name, ret, *args):
+    """A call of the x86 instruction that LLVM names ``name`` (declared in the module at its first use)."""
+    fn = builder.module.globals.get(name) or ir.Function(builder.module,
+                                                         ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, list(args))
+
+
+def _concat(builder, parts):
+    """The vectors ``parts`` (a power of two of them, of one type) end to end, as one vector."""
+    while len(parts) > 1:
+        parts = [builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 2 * a.type.count),
                                                           list(range(2 * a.type.count))))
                  for a, b in zip(parts[::2], parts[1::2])]
     return parts[0]

@@ -23,7 +23,7 @@ from numba.extending import intrinsic, overload
 
 from .chunks import _claim
 from .compact import GROUP as _GROUP
-from .intkernels import _MADD_WIDTH, _quantize_rows
+from .intkernels import _MADD_WIDTH, _PMADDWD, _quantize_rows, _x86
 
 _HALF_GROUP = _GROUP // 2
 _LANES = (_MADD_WIDTH or 16) // 2  # int32 sums in one multiply-add: outputs per vector
@@ -37,15 +37,10 @@ _ROW_CHUNKS = 32  # chunks of rows in _widen_rows
 
 def _madd(builder, a, b):
     """<n/2 x i32>: a[2i] * b[2i] + a[2i+1] * b[2i+1] for <n x i16> vectors a, b (pmaddwd on x86)."""
-    i16, i32 = ir.IntType(16), ir.IntType(32)
+    i32 = ir.IntType(32)
     n = a.type.count
     if _MADD_WIDTH == n:
-        name = {32: "llvm.x86.avx512.pmaddw.d.512", 16: "llvm.x86.avx2.pmadd.wd", 8: "llvm.x86.sse2.pmadd.wd"}[n]
-        fn = builder.module.globals.get(name)
-        if fn is None:
-            fn = ir.Function(builder.module, ir.FunctionType(ir.VectorType(i32, n // 2),
-                                                             [ir.VectorType(i16, n)] * 2), name)
-        return builder.call(fn, [a, b])
+        return _x86(builder, _PMADDWD[n], ir.VectorType(i32, n // 2), a, b)
     half = ir.VectorType(i32, n // 2)
 
     def lanes(v, first):
