@@ -382,7 +382,7 @@ class _Workspace:
         self.attend = np.empty((threads, attend_width(cfg.head_dim, cfg.n_positions)), np.float32)
         self._scratch = np.empty(0, np.float32)
         self._dense = np.empty(0, np.float32)
-        # the integer formats' inputs: int8 rows and their scales, and widened to int16 for tiles
+        # the integer formats' inputs: int8 rows and their scales, and laid out for the tiles (inttiles.WIDE)
         self._int8 = np.empty(0, np.int8)
         self._int8_scales = np.empty(0, np.float32)
         self._wide = np.empty(0, np.int16)
@@ -402,11 +402,11 @@ class _Workspace:
         return self._int8[: T * K].reshape(T, K), self._int8_scales[: T * K // compact.GROUP].reshape(T, -1)
 
     def widened(self, T: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """int8 (rows, K), float32 (rows, K // GROUP) and int16 (rows, K) for T rows of inputs
-        quantised and widened, rows = inttiles.rows(T) (whole tiles)."""
+        """int8 (rows, K), float32 (rows, K // GROUP) and inttiles.WIDE (rows, K) for T rows of inputs
+        quantised and laid out for the tiles, rows = inttiles.rows(T) (whole tiles)."""
         n = inttiles.rows(T)
         if self._wide.size < n * K:
-            self._wide = np.empty(n * self.width, np.int16)
+            self._wide = np.empty(n * self.width, inttiles.WIDE)
         q, s = self.quantized(n, K)
         return q, s, self._wide[: n * K].reshape(n, K)
 

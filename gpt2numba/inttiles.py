@@ -1,17 +1,29 @@
 """Integer matrix products over many rows: out (+)= x @ W.T (+ b), W int8 or int4 as stored.
 
 The inputs are quantised per group of GROUP as for every integer product
-(intkernels._quantize_rows) and widened to int16 once. W is read as stored: each
-thread takes a panel of PANEL of W's rows (outputs) at a time and, one block of
-K_BLOCK inputs after another, repacks that block into a small int16 buffer, in the
-order the tile reads it (_pack_panel), then runs the tile over every block of TILE_ROWS
-input rows (_tile). The tile keeps TILE_ROWS x PANEL int32 sums in registers: per pair of
-inputs it broadcasts each row's two int16 values and multiplies them with PANEL
-outputs' two weights in one multiply-add of pairs (x86's pmaddwd, at the widest width
-the CPU has), so that no horizontal sum is ever needed. After each group the sums,
-exact in int32 (at most 32 x 127 x 127), become float32 and are scaled:
-acc += float(sum) * (x's scale * W's scale), group after group in order, so the result
-of an output depends neither on the tiling nor on the threads.
+(intkernels._quantize_rows) and laid out once for the CPU's multiply-add (_widen_rows).
+W is read as stored: each thread takes a panel of PANEL of W's rows (outputs) at a
+time and, one block of K_BLOCK inputs after another, repacks that block into a small
+buffer, in the order the tile reads it (_pack_panel), then runs the tile over every
+block of TILE_ROWS input rows (_tile). The tile keeps TILE_ROWS x PANEL int32 sums in
+registers: per step of inputs it broadcasts each row's inputs of the step and
+multiplies them with PANEL outputs' weights in one multiply-add, so that no horizontal
+sum is ever needed. A step is one of two kinds, chosen from the CPU's features:
+
+- pairs (QUADS false): inputs widened to int16, two a step, x86's pmaddwd at the widest
+  width the CPU has;
+- quads (QUADS, on CPUs with VNNI: AVX-512 VNNI or AVX-VNNI): four inputs a step as bytes
+  in one vpdpbusd, which multiplies unsigned bytes by signed ones and adds the four
+  products into each int32 sum. The inputs are stored as x + 128 (unsigned), so the
+  sum is off by 128 x (the sum of the group's weights), which the panel carries per
+  group and output and the tile subtracts.
+
+After each group the sums, exact in int32 (at most 32 x 255 x 128), become float32 and
+are scaled: acc += float(sum) * (x's scale * W's scale), group after group in order, so
+the result of an output depends neither on the tiling, nor on the threads, nor on the
+kind of step. The kind follows the inputs' type (int16 pairs, uint8 quads), so either
+runs on any CPU: where the CPU lacks VNNI, a quad's multiply-add is written out in
+generic vector code (slow; for the tests).
 
 Private and unchecked, as the other kernels: callers in forward.py validate.
 """
@@ -24,6 +36,7 @@ from numba.extending import intrinsic, overload
 from .chunks import _claim
 from .compact import GROUP as _GROUP
 from .intkernels import _MADD_WIDTH, _PMADDWD, _quantize_rows, _x86
+from .kernels import _x86_features
 
 _HALF_GROUP = _GROUP // 2
 _LANES = (_MADD_WIDTH or 16) // 2  # int32 sums in one multiply-add: outputs per vector
@@ -33,6 +46,22 @@ TILE_ROWS = 4  # input rows per tile
 K_BLOCK = 256  # inputs per repacked block of a panel (PANEL x K_BLOCK int16: in L1)
 CHUNK_PANELS = 4  # panels per chunk of work: each block of rows is read once for all of them
 _ROW_CHUNKS = 32  # chunks of rows in _widen_rows
+_OFFSET = 128  # added to a quad's inputs, which vpdpbusd takes unsigned
+
+
+def _vpdpbusd():
+    """LLVM's name of VNNI's vpdpbusd at the tile's width, if the CPU Numba compiles for has it."""
+    features = _x86_features() or set()
+    if _LANES == 16 and "avx512vnni" in features:
+        return "llvm.x86.avx512.vpdpbusd.512"
+    if _LANES == 8 and ("avxvnni" in features or {"avx512vnni", "avx512vl"} <= features):
+        return "llvm.x86.avx512.vpdpbusd.256"  # AVX-VNNI's encoding where the CPU has no AVX-512
+    return None
+
+
+_DPBUSD = _vpdpbusd()
+QUADS = _DPBUSD is not None  # the steps forward.py lays the inputs out for
+WIDE = np.uint8 if QUADS else np.int16  # the dtype of _widen_rows's xw, which chooses the step
 
 
 def _madd(builder, a, b):
@@ -47,6 +76,22 @@ def _madd(builder, a, b):
         return builder.sext(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, n // 2),
                                                                      list(range(first, n, 2)))), half)
     return builder.add(builder.mul(lanes(a, 0), lanes(b, 0)), builder.mul(lanes(a, 1), lanes(b, 1)))
+
+
+def _dpbusd(builder, acc, a, b):
+    """<n x i32>: acc + the sums of four adjacent products of a's bytes, unsigned, by b's, signed
+    (a, b: <n x i32>, four bytes a lane): VNNI's vpdpbusd, or the same written out."""
+    if _DPBUSD:
+        return _x86(builder, _DPBUSD, acc.type, acc, a, b)
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    n = acc.type.count
+    wide = ir.VectorType(i32, 4 * n)
+    prod = builder.mul(builder.zext(builder.bitcast(a, ir.VectorType(i8, 4 * n)), wide),
+                       builder.sext(builder.bitcast(b, ir.VectorType(i8, 4 * n)), wide))
+    for k in range(4):
+        part = builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(i32, n), list(range(k, 4 * n, 4))))
+        acc = builder.add(acc, part)
+    return acc
 
 
 def _pin(builder, values):
@@ -67,30 +112,45 @@ def _pin(builder, values):
     return [builder.extract_value(held, i) for i in range(n)]
 
 
+def _step(xw):
+    """Inputs per step of the tile for inputs laid out as ``xw`` (a Numba array type): 4 for uint8 (quads), 2 for int16."""
+    return 4 if xw.dtype == types.uint8 else 2
+
+
 @intrinsic
-def _tile(typingctx, xw, xs, panel, pscale, acc, t0, g0, g1):
+def _tile(typingctx, xw, xs, panel, pscale, pcorr, acc, t0, g0, g1):
     """acc[t0:t0+TILE_ROWS] += the products of groups g0..g1-1 of TILE_ROWS input rows with a panel.
 
-    xw: int16 (rows, K), the quantised inputs widened; xs: float32 (rows, K // GROUP), their
-    scales; panel: int16 flat, the panel's groups g0..g1-1 as _pack_panel writes them;
-    pscale: float32 (K // GROUP, PANEL), the panel's scales; acc: float32 (rows, PANEL).
-    For each group: per pair of inputs p, every row's x[2p], x[2p+1] broadcast and
-    multiplied-added with the panel's (w[2p], w[2p+1]) of PANEL outputs, into int32 sums;
-    then acc += float(sum) * (xs * pscale). Unchecked: g0 < g1, rows t0..t0+TILE_ROWS-1 exist.
+    xw: the quantised inputs as _widen_rows lays them out, int16 (pairs) or uint8 (quads: x + 128)
+    (rows, K); xs: float32 (rows, K // GROUP), their scales; panel: int16 or int8 flat (as xw),
+    the panel's groups g0..g1-1 as _pack_panel writes them; pscale: float32 (K // GROUP, PANEL),
+    the panel's scales; pcorr: int32 (K // GROUP, PANEL), for quads the offset's share of each sum
+    (unread for pairs); acc: float32 (rows, PANEL).
+    For each group: per step s, every row's inputs of the step broadcast and multiplied-added
+    with the panel's weights of the step for PANEL outputs, into int32 sums (minus pcorr for
+    quads); then acc += float(sum) * (xs * pscale). Unchecked: g0 < g1, rows t0..t0+TILE_ROWS-1 exist.
     """
     def is_c(a, dtype, ndim):
         return isinstance(a, types.Array) and a.dtype == dtype and a.ndim == ndim and a.layout == "C"
 
-    if not (is_c(xw, types.int16, 2) and is_c(xs, types.float32, 2) and is_c(panel, types.int16, 1)
-            and is_c(pscale, types.float32, 2) and is_c(acc, types.float32, 2)):
+    if not (isinstance(xw, types.Array) and xw.dtype in (types.int16, types.uint8)):
         return None
+    quads = _step(xw) == 4
+    if not (is_c(xw, xw.dtype, 2) and is_c(xs, types.float32, 2)
+            and is_c(panel, types.int8 if quads else types.int16, 1) and is_c(pscale, types.float32, 2)
+            and is_c(pcorr, types.int32, 2) and is_c(acc, types.float32, 2)):
+        return None
+    S = _step(xw)
 
     def codegen(context, builder, sig, args):
-        xa, xsa, pa, psa, aa = (context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args[:5], args[:5]))
-        t0v, g0v, g1v = args[5:]
+        xa, xsa, pa, psa, pca, aa = (context.make_array(ty)(context, builder, v)
+                                     for ty, v in zip(sig.args[:6], args[:6]))
+        t0v, g0v, g1v = args[6:]
         i16, i32, i64, f32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
         L, V, R = _LANES, _VECTORS, TILE_ROWS
-        vf, vi, vw = ir.VectorType(f32, L), ir.VectorType(i32, L), ir.VectorType(i16, 2 * L)
+        vf, vi = ir.VectorType(f32, L), ir.VectorType(i32, L)
+        vw = vi if quads else ir.VectorType(i16, 2 * L)  # one vector of a step's weights
+        align = 1 if quads else 2  # of the int8 / int16 arrays
 
         def const(n):
             return ir.Constant(i64, n)
@@ -122,18 +182,26 @@ def _tile(typingctx, xw, xs, panel, pscale, acc, t0, g0, g1):
                 facc[r][v].add_incoming(start[r][v], entry)
         base = builder.mul(builder.sub(g, g0v), const(_GROUP * PANEL))  # the group's place in the panel
         k0 = builder.mul(g, const(_GROUP))
-        sums = [[ir.Constant(vi, None) for _ in range(V)] for _ in range(R)]
-        for p in range(_HALF_GROUP):
-            w = [builder.load(at(pa.data, builder.add(base, const((p * V + v) * 2 * L)), vw), align=2)
+        sums = [[ir.Constant(vi, [0] * L) for _ in range(V)] for _ in range(R)]
+        for p in range(_GROUP // S):
+            w = [builder.load(at(pa.data, builder.add(base, const((p * V + v) * S * L)), vw), align=align)
                  for v in range(V)]
             for r in range(R):
-                pair = builder.load(at(xa.data, builder.add(x_row[r], builder.add(k0, const(2 * p))), i32), align=2)
-                x = builder.bitcast(splat(pair, vi), vw)
+                step = builder.load(at(xa.data, builder.add(x_row[r], builder.add(k0, const(S * p))), i32),
+                                    align=align)
+                x = builder.bitcast(splat(step, vi), vw)
                 for v in range(V):
-                    prod = _madd(builder, x, w[v])
-                    sums[r][v] = prod if p == 0 else builder.add(sums[r][v], prod)
+                    if quads:
+                        sums[r][v] = _dpbusd(builder, sums[r][v], x, w[v])
+                    else:
+                        prod = _madd(builder, x, w[v])
+                        sums[r][v] = prod if p == 0 else builder.add(sums[r][v], prod)
             flat = _pin(builder, [s for row in sums for s in row])
             sums = [flat[r * V:(r + 1) * V] for r in range(R)]
+        if quads:
+            corr = [builder.load(at(pca.data, builder.add(builder.mul(g, const(PANEL)), const(v * L)), vi), align=4)
+                    for v in range(V)]
+            sums = [[builder.sub(sums[r][v], corr[v]) for v in range(V)] for r in range(R)]
         nxt = []
         for r in range(R):
             xscale = splat(builder.load(builder.gep(xsa.data, [builder.add(builder.mul(rows[r], G), g)])), vf)
@@ -155,7 +223,7 @@ def _tile(typingctx, xw, xs, panel, pscale, acc, t0, g0, g1):
                 builder.store(nxt[r][v], acc_at[r][v], align=4)
         return context.get_dummy_value()
 
-    return types.void(xw, xs, panel, pscale, acc, types.int64, types.int64, types.int64), codegen
+    return types.void(xw, xs, panel, pscale, pcorr, acc, types.int64, types.int64, types.int64), codegen
 
 
 def _transpose(builder, vectors):
@@ -177,16 +245,19 @@ def _pack_group(typingctx, w, n0, g, panel, at):
     """panel[at : at + GROUP * PANEL] = group g of W's rows n0..n0+PANEL-1, as _tile reads it.
 
     w: int8 (N, K) or packed int4 uint8 (N, K // 2), C-contiguous, with n0 + PANEL <= N;
-    panel: int16 flat. Each row's group is loaded whole, widened to int16 (an int4 row
-    unpacked first: low nibbles, then high ones, minus 8), its pairs of inputs taken as
-    int32, and each block of LANES rows transposed: for pair p, the block's LANES pairs
-    side by side. The same layout as _pack_panel's, vectorised.
+    panel: int16 (pairs) or int8 (quads) flat. Each row's group is loaded whole (an int4
+    row unpacked first: low nibbles, then high ones, minus 8), widened to int16 for pairs,
+    its steps of inputs taken as int32, and each block of rows transposed: for step s, the
+    block's steps side by side. The same layout as _pack_panel's, vectorised.
     """
     if not (isinstance(w, types.Array) and w.dtype in (types.int8, types.uint8) and w.ndim == 2
-            and w.layout == "C" and isinstance(panel, types.Array) and panel.dtype == types.int16
+            and w.layout == "C" and isinstance(panel, types.Array) and panel.dtype in (types.int16, types.int8)
             and panel.layout == "C"):
         return None
     packed = w.dtype == types.uint8
+    S = 4 if panel.dtype == types.int8 else 2
+    steps = _GROUP // S  # int32 steps of a row's group
+    square = min(_LANES, steps)  # rows and steps of one transposed block
 
     def codegen(context, builder, sig, args):
         wa = context.make_array(sig.args[0])(context, builder, args[0])
@@ -207,17 +278,18 @@ def _pack_group(typingctx, w, n0, g, panel, at):
                 high = builder.lshr(raw, ir.Constant(raw.type, [4] * stored))
                 both = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(i32, _GROUP), list(range(_GROUP))))
                 raw = builder.sub(both, ir.Constant(both.type, [8] * _GROUP))
-            wide = builder.sext(raw, ir.VectorType(i16, _GROUP))
-            rows.append(builder.bitcast(wide, ir.VectorType(i32, _HALF_GROUP)))  # the group's pairs
-        for v in range(V):
-            block = rows[v * L:(v + 1) * L]
-            for p0 in range(0, _HALF_GROUP, L):  # pairs p0..p0+L-1 of the block's L rows
-                part = [builder.shuffle_vector(r, r, ir.Constant(ir.VectorType(i32, L), list(range(p0, p0 + L))))
-                        for r in block]
+            if S == 2:
+                raw = builder.sext(raw, ir.VectorType(i16, _GROUP))
+            rows.append(builder.bitcast(raw, ir.VectorType(i32, steps)))  # the group's steps
+        for j0 in range(0, PANEL, square):  # rows j0..j0+square-1: lanes of vector j0 // L
+            v, lane = divmod(j0, L)
+            for s0 in range(0, steps, square):  # their steps s0..s0+square-1
+                part = [builder.shuffle_vector(r, r, ir.Constant(ir.VectorType(i32, square), list(range(s0, s0 + square))))
+                        for r in rows[j0:j0 + square]]
                 for k, column in enumerate(_transpose(builder, part)):
-                    index = builder.add(atv, ir.Constant(i64, ((p0 + k) * V + v) * 2 * L))
+                    index = builder.add(atv, ir.Constant(i64, (((s0 + k) * V + v) * L + lane) * S))
                     ptr = builder.bitcast(builder.gep(pa.data, [index]), column.type.as_pointer())
-                    builder.store(column, ptr, align=2)
+                    builder.store(column, ptr, align=1)
         return context.get_dummy_value()
 
     return types.void(w, types.int64, types.int64, panel, types.int64), codegen
@@ -241,45 +313,83 @@ def _weight_typed(row, k):
     return value
 
 
+def _layout(a):
+    """(inputs per step, offset of the inputs) of the tiles' layout that ``a`` holds: (4, 128) for quads
+    (uint8 inputs, int8 panels), (2, 0) for pairs (int16 inputs and panels)."""
+
+
+@overload(_layout, inline="always")
+def _layout_typed(a):
+    quads = a.dtype in (types.uint8, types.int8)
+    return lambda a: (4, _OFFSET) if quads else (2, 0)
+
+
+def _new_panel(xw, n):
+    """A flat panel buffer of n weights for inputs laid out as xw: int8 for quads, int16 for pairs."""
+
+
+@overload(_new_panel, inline="always")
+def _new_panel_typed(xw, n):
+    if xw.dtype == types.uint8:
+        return lambda xw, n: np.empty(n, np.int8)
+    return lambda xw, n: np.empty(n, np.int16)
+
+
 @njit(cache=True, nogil=True)
-def _pack_panel(w, scale, n0, g0, g1, panel, pscale):
+def _group_sum(row, g):
+    """The sum of group g's weights in an integer matrix's row."""
+    total = 0
+    for k in range(g * _GROUP, (g + 1) * _GROUP):
+        total += _weight(row, k)
+    return total
+
+
+@njit(cache=True, nogil=True)
+def _pack_panel(w, scale, n0, g0, g1, panel, pscale, pcorr):
     """panel = W's rows n0..n0+PANEL-1, groups g0..g1-1, as _tile reads them: for each group, for each
-    pair of inputs p, PANEL pairs (w[n, 2p], w[n, 2p+1]) as int16; rows past W's end are zeros.
-    pscale[g, j] = scale[n0 + j, g] (0 past the end), for the groups g0..g1-1.
+    step s of S inputs (S = 2 for an int16 panel, 4 for int8), PANEL outputs' S weights
+    w[n, S*s : S*(s+1)]; rows past W's end are zeros. For the groups g0..g1-1: pscale[g, j] =
+    scale[n0 + j, g] and, for quads, pcorr[g, j] = 128 x the sum of the group's weights (0 past the end).
 
     w: int8 (N, K) or packed int4 uint8 (N, K // 2); scale: float32 (N, K // GROUP);
-    panel: int16 (>= (g1 - g0) * GROUP * PANEL,); pscale: float32 (K // GROUP, PANEL).
+    panel: int16 or int8 (>= (g1 - g0) * GROUP * PANEL,); pscale: float32 and pcorr: int32 (K // GROUP, PANEL).
     """
     N = w.shape[0]
+    S, offset = _layout(panel)
+    for g in range(g0, g1):
+        for j in range(min(PANEL, N - n0)):
+            pscale[g, j] = scale[n0 + j, g]
+            if offset:
+                pcorr[g, j] = offset * _group_sum(w[n0 + j], g)
+        pscale[g, N - n0:] = 0.0
+        pcorr[g, N - n0:] = 0
     if n0 + PANEL <= N:
         for g in range(g0, g1):
             _pack_group(w, n0, g, panel, (g - g0) * _GROUP * PANEL)
-            for j in range(PANEL):
-                pscale[g, j] = scale[n0 + j, g]
         return
     for j in range(PANEL):
         n = n0 + j
         for g in range(g0, g1):
-            base = (g - g0) * _GROUP * PANEL + 2 * j
+            base = (g - g0) * _GROUP * PANEL + S * j
             if n < N:
                 row = w[n]
-                pscale[g, j] = scale[n, g]
                 for k in range(_GROUP):
-                    panel[base + (k // 2) * 2 * PANEL + k % 2] = _weight(row, g * _GROUP + k)
+                    panel[base + (k // S) * S * PANEL + k % S] = _weight(row, g * _GROUP + k)
             else:
-                pscale[g, j] = 0.0
                 for k in range(_GROUP):
-                    panel[base + (k // 2) * 2 * PANEL + k % 2] = 0
+                    panel[base + (k // S) * S * PANEL + k % S] = 0
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _widen_rows(x, xq, xs, xw):
-    """xw = the int8 values of x quantised per group (_quantize_rows), as int16; xs their scales.
+    """xw = the int8 values of x quantised per group (_quantize_rows), laid out for the tiles; xs their scales.
 
     x: float32 (T, K); xq: int8 (>= T, K), scratch; xs: float32 (>= T, K // GROUP);
-    xw: int16 (>= T, K). Rows of xw and xs past T are set to zeros (tiles read whole blocks of rows).
+    xw: int16 (>= T, K) for pairs, the values; or uint8 for quads, the values + 128. Rows of xw
+    past T are set to the layout's 0, and of xs to 0 (tiles read whole blocks of rows).
     """
     T, K = x.shape
+    offset = _layout(xw)[1]
     n_chunks = min(T, _ROW_CHUNKS)
     nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
     for _ in prange(n_chunks):
@@ -289,9 +399,9 @@ def _widen_rows(x, xq, xs, xw):
             _quantize_rows(x[lo:hi], xq[lo:hi], xs[lo:hi])
             for t in range(lo, hi):
                 for k in range(K):
-                    xw[t, k] = xq[t, k]
+                    xw[t, k] = xq[t, k] + offset
             c = _claim(nxt)
-    xw[T:] = 0
+    xw[T:] = offset
     xs[T:] = 0.0
 
 
@@ -299,24 +409,25 @@ def _widen_rows(x, xq, xs, xw):
 def _int_tiles(xw, xs, T, w, scale, b, out, accumulate, n_workers):
     """out (+)= x @ W.T (+ b) for many rows, W an integer matrix read as stored.
 
-    xw: int16 (rows, K), the T input rows quantised and widened (_widen_rows), rows a
-    multiple of TILE_ROWS, those past T zeros; xs: float32 (rows, K // GROUP); w: int8 (N, K)
-    or packed int4 uint8 (N, K // 2); scale: (N, K // GROUP); b: (N,) or None; out: (T, N).
-    Each of n_workers takes chunks of CHUNK_PANELS panels of PANEL outputs from an atomic
-    counter; for each block of K_BLOCK inputs it repacks the chunk's panels, then runs every
+    xw: int16 or uint8 (rows, K), the T input rows quantised and laid out for pairs or quads
+    (_widen_rows), rows a multiple of TILE_ROWS; xs: float32 (rows, K // GROUP), 0 past T;
+    w: int8 (N, K) or packed int4 uint8 (N, K // 2); scale: (N, K // GROUP); b: (N,) or None;
+    out: (T, N). Each of n_workers takes chunks of CHUNK_PANELS panels of PANEL outputs from an
+    atomic counter; for each block of K_BLOCK inputs it repacks the chunk's panels, then runs every
     block of TILE_ROWS rows against each panel while the rows are in L1. An output's result
-    does not depend on its chunk, nor on the thread that computes it.
+    does not depend on its chunk, nor on the thread that computes it, nor on the layout.
     """
     rows, K = xw.shape
     N, G = scale.shape[0], K // _GROUP
     width = CHUNK_PANELS * PANEL  # outputs per chunk
     n_chunks = (N + width - 1) // width
     block = K_BLOCK // _GROUP  # groups per repacked block
-    size = block * _GROUP * PANEL  # int16 of one panel's block
+    size = block * _GROUP * PANEL  # weights of one panel's block
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
     for _ in prange(n_workers):
-        panels = np.empty(CHUNK_PANELS * size, np.int16)
+        panels = _new_panel(xw, CHUNK_PANELS * size)
         pscale = np.empty((CHUNK_PANELS, G, PANEL), np.float32)
+        pcorr = np.empty((CHUNK_PANELS, G, PANEL), np.int32)
         acc = np.empty((CHUNK_PANELS, rows, PANEL), np.float32)
         c = _claim(nxt)
         while c < n_chunks:
@@ -326,10 +437,10 @@ def _int_tiles(xw, xs, T, w, scale, b, out, accumulate, n_workers):
             for g0 in range(0, G, block):
                 g1 = min(G, g0 + block)
                 for i in range(count):
-                    _pack_panel(w, scale, n0 + i * PANEL, g0, g1, panels[i * size:(i + 1) * size], pscale[i])
+                    _pack_panel(w, scale, n0 + i * PANEL, g0, g1, panels[i * size:(i + 1) * size], pscale[i], pcorr[i])
                 for t0 in range(0, rows, TILE_ROWS):
                     for i in range(count):
-                        _tile(xw, xs, panels[i * size:(i + 1) * size], pscale[i], acc[i], t0, g0, g1)
+                        _tile(xw, xs, panels[i * size:(i + 1) * size], pscale[i], pcorr[i], acc[i], t0, g0, g1)
             for t in range(T):  # row by row: a panel's outputs are one cache line of out's row
                 for i in range(count):
                     for j in range(min(PANEL, N - n0 - i * PANEL)):
@@ -341,9 +452,9 @@ def _int_tiles(xw, xs, T, w, scale, b, out, accumulate, n_workers):
 
 @njit(cache=True, nogil=True)
 def _tiles_matmul(x, xq, xs, xw, w, scale, b, out, accumulate, n_workers):
-    """out (+)= x @ W.T (+ b): x quantised and widened into xq, xs, xw (_widen_rows), then
-    _int_tiles; one call from Python. x: float32 (T, K); xq: int8, xs: float32 and xw: int16
-    with rows(T) rows; the rest as _int_tiles."""
+    """out (+)= x @ W.T (+ b): x quantised and laid out into xq, xs, xw (_widen_rows), then
+    _int_tiles; one call from Python. x: float32 (T, K); xq: int8, xs: float32 and xw: WIDE
+    (or either layout's type) with rows(T) rows; the rest as _int_tiles."""
     _widen_rows(x, xq, xs, xw)
     _int_tiles(xw, xs, x.shape[0], w, scale, b, out, accumulate, n_workers)
 

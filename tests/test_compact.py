@@ -1,7 +1,11 @@
 """bfloat16, int8 and int4 weights: formats, kernels against NumPy on the widened values, the engine against the oracle."""
 
 import dataclasses
+import json
+import os
 import platform
+import subprocess
+import sys
 
 import numba
 import numpy as np
@@ -165,27 +169,45 @@ tile_shapes = st.integers(1, 70).flatmap(lambda T: st.integers(1, 12).map(lambda
        bias=st.booleans(), dtype=st.sampled_from(INTEGER), seed=st.integers(0, 2**32 - 1))
 def test_int_tiles(shape, N, n_workers, accumulate, bias, dtype, seed):
     """The tiles against an int64 NumPy reference, on sizes off every tile (rows, outputs, K blocks),
-    and each row against the same row computed alone by _int_rows."""
+    and each row against the same row computed alone by _int_rows; in both layouts of the inputs
+    (pairs of int16, quads of bytes + 128: with VNNI's vpdpbusd where the CPU has it, written out
+    where not), which give the same bits."""
     rng = np.random.default_rng(seed)
     T, K = shape
     stored, scale = compact.quantize(randn(rng, N, K), dtype)
     x = randn(rng, T, K)
     rows = inttiles.rows(T)
-    xq, xs, xw = np.empty((rows, K), np.int8), np.empty((rows, K // compact.GROUP), np.float32), np.empty((rows, K), np.int16)
-    xw[:] = 99  # rows past T must be zeroed
-    inttiles._widen_rows(x, xq, xs, xw)
     ref_q, ref_s = quantize_rows(x)
-    np.testing.assert_array_equal(xw[:T], ref_q)
-    np.testing.assert_array_equal(xs[:T], ref_s)
-    assert not xw[T:].any() and not xs[T:].any()
-    b, out = randn(rng, N) if bias else None, randn(rng, T, N)
-    ref = (out.astype(np.float64) if accumulate else 0) + int64_products(ref_q, ref_s, stored, scale) + (b if bias else 0)
-    alone = out.copy()
-    inttiles._int_tiles(xw, xs, T, stored, scale, b, out, accumulate, n_workers)
-    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-5)
+    b, start = randn(rng, N) if bias else None, randn(rng, T, N)
+    ref = (start.astype(np.float64) if accumulate else 0) + int64_products(ref_q, ref_s, stored, scale) + (b if bias else 0)
+    results = {}
+    for wide, offset in [(np.int16, 0), (np.uint8, 128)]:
+        xq, xs, xw = np.empty((rows, K), np.int8), np.empty((rows, K // compact.GROUP), np.float32), np.empty((rows, K), wide)
+        xw[:] = 99  # rows past T must be the layout's zero
+        inttiles._widen_rows(x, xq, xs, xw)
+        np.testing.assert_array_equal(xw[:T].astype(np.int64) - offset, ref_q)
+        np.testing.assert_array_equal(xs[:T], ref_s)
+        assert (xw[T:] == offset).all() and not xs[T:].any()
+        out = start.copy()
+        inttiles._int_tiles(xw, xs, T, stored, scale, b, out, accumulate, n_workers)
+        np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-5)
+        results[wide] = out
+    np.testing.assert_array_equal(results[np.uint8], results[np.int16])
+    alone = start.copy()
     for t in range(T):  # the same rows one at a time, by the few-rows kernel
         intkernels._int_rows(ref_q[t:t + 1], ref_s[t:t + 1], stored, scale, b, alone[t:t + 1], accumulate, 1)
-    np.testing.assert_allclose(out, alone, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(results[np.int16], alone, atol=1e-4, rtol=1e-5)
+
+
+def tile_loop_report(asm: str) -> dict:
+    """What the tiles' hot loop does, from their assembly: multiply-adds, whether the inputs are
+    broadcast, and moves to or from the stack between the first multiply-add and the last."""
+    lines = [line.split() for line in asm.lower().splitlines() if line.strip() and not line.strip().startswith((".", "#"))]
+    lines = [op[1:] if op[0] == "{vex}" else op for op in lines]
+    madds = [i for i, op in enumerate(lines) if op[0].endswith(("pmaddwd", "dpwssd", "dpbusd"))]
+    stack = [op for op in lines[madds[0]:madds[-1]] if "rsp" in " ".join(op[1:]) and op[0].startswith("vmov")] if madds else []
+    return {"madds": len(madds), "dpbusd": sum(op[0] == "vpdpbusd" for op in lines),
+            "broadcast": any(op[0].endswith("pbroadcastd") for op in lines), "stack": len(stack)}
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86's multiply-add instructions")
@@ -204,19 +226,52 @@ def test_integer_kernels_use_the_integer_multiply_add(dtype, kernel):
     else:
         fresh = numba.njit(inttiles._int_tiles.py_func, parallel=True)
         rows = inttiles.rows(1)
-        fresh(np.zeros((rows, 64), np.int16), np.zeros((rows, 2), np.float32), 1, stored, scale, None, out, False, 1)
+        fresh(np.zeros((rows, 64), inttiles.WIDE), np.zeros((rows, 2), np.float32), 1, stored, scale, None, out, False, 1)
     asm = "\n".join(fresh.inspect_asm().values()).lower()
     assert any(op in asm for op in ("pmaddwd", "vpdpwssd", "vpdpbusd")), f"no 8-bit multiply-add in {kernel}"
     if kernel == "_int_rows" and intkernels._BYTE_MADD:
         assert "vpmaddubsw" in asm, "one row's dot products do not multiply bytes (AVX2's vpmaddubsw)"
     if kernel == "_int_tiles":
-        lines = [line.split() for line in asm.splitlines() if line.strip() and not line.strip().startswith((".", "#"))]
-        madds = [i for i, op in enumerate(lines) if op[0].endswith(("pmaddwd", "dpwssd"))]
-        assert "vpbroadcastd" in asm or "pbroadcastd" in asm, "the tile's inputs are not broadcast"
-        stack = [op for op in lines[madds[0]:madds[-1]] if "rsp" in " ".join(op[1:]) and op[0].startswith("vmov")]
-        # at most the float32 accumulators', once per group (16 pairs x 8 multiply-adds); not the sums' or the
-        # weights' (a tile left to LLVM's ordering moves about two vectors to the stack per multiply-add)
-        assert len(stack) <= len(madds) // 8, f"{len(stack)} stack moves among {len(madds)} multiply-adds"
+        check_tile_loop(tile_loop_report(asm), quads=inttiles.QUADS)
+
+
+def check_tile_loop(report: dict, quads: bool) -> None:
+    assert report["broadcast"], "the tile's inputs are not broadcast"
+    assert (report["dpbusd"] > 0) == quads, f"vpdpbusd {'missing' if quads else 'used'} in the tiles"
+    # few: not the sums' or the weights' (a tile left to LLVM's ordering moves about two vectors to the stack
+    # per multiply-add)
+    assert report["stack"] <= report["madds"] // 8, f"{report['stack']} stack moves among {report['madds']} multiply-adds"
+
+
+# CPUs with VNNI for LLVM to compile for (nothing compiled for them runs here): AVX-512 VNNI, and AVX-VNNI without AVX-512
+_BASE = "+64bit,+sse,+sse2,+sse3,+ssse3,+sse4.1,+sse4.2,+popcnt,+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+lzcnt,+movbe,+cx16"
+VNNI_CPUS = {"icelake-server": _BASE + ",+avx512f,+avx512cd,+avx512bw,+avx512dq,+avx512vl,+avx512vnni",
+             "alderlake": _BASE + ",+avxvnni"}
+_COMPILE_TILES = """
+import json, numba
+from numba import types
+from gpt2numba import inttiles
+fresh = numba.njit(inttiles._int_tiles.py_func, parallel=True)
+c2 = lambda dtype: types.Array(dtype, 2, "C")
+fresh.compile((c2(numba.from_dtype(inttiles.WIDE)), c2(types.float32), types.int64, c2(types.int8), c2(types.float32), types.none,
+               c2(types.float32), types.boolean, types.int64))
+print(json.dumps({"quads": inttiles.QUADS, "lanes": inttiles._LANES, "asm": "\\n".join(fresh.inspect_asm().values())}))
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="compiles for x86 CPUs")
+@pytest.mark.skipif(bool(os.environ.get("NUMBA_DISABLE_JIT")), reason="compiles")
+@pytest.mark.parametrize("cpu", VNNI_CPUS)
+def test_tiles_use_vnni_where_the_cpu_has_it(cpu, tmp_path):
+    """Compiled for a CPU with VNNI (Numba told to target it; nothing runs), the tiles take their inputs as
+    quads of bytes and multiply with vpdpbusd at the CPU's width, with their sums in registers. The same
+    code with the instruction written out is checked against the reference on every CPU (test_int_tiles)."""
+    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=VNNI_CPUS[cpu], NUMBA_CACHE_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", _COMPILE_TILES], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["quads"] and result["lanes"] == (16 if "avx512vnni" in VNNI_CPUS[cpu] else 8)
+    check_tile_loop(tile_loop_report(result["asm"]), quads=True)
 
 
 @given(V=st.integers(1, 1100), C=groups, R=st.integers(1, 4), n_blocks=st.integers(1, 3),
@@ -300,9 +355,12 @@ def test_generation_compact(tiny, dtype):
 
 
 @pytest.mark.parametrize("dtype", INTEGER)
-def test_integer_tiles_prefill(dtype):
+@pytest.mark.parametrize("wide", [np.int16, np.uint8], ids=["pairs", "quads"])
+def test_integer_tiles_prefill(dtype, wide, monkeypatch):
     """Past INT_ROWS_MAX rows the integer formats multiply in tiles (inttiles.py): the function the
-    oracle rounds, for a prefill, chunks and the decode after them, and every row's logits."""
+    oracle rounds, for a prefill, chunks and the decode after them, and every row's logits; with the
+    inputs laid out for either kind of step (the CPU's features choose one)."""
+    monkeypatch.setattr(inttiles, "WIDE", wide)
     cfg = dataclasses.replace(TINY, n_positions=80)
     w = g.random_weights(cfg, seed=3, dtype=dtype)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 75)
