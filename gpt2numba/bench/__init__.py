@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                    else neighbour if args.neighbour else standard)
         report.update(section.run(args, model_dir, w))
     section.print_report(report)
+    m = report["machine"]
+    print(f"\nmachine: {m['cpu']}, {m['cpus']} CPUs; the integer tiles multiply with {m['integer_tiles']}")
     return _write(report, args.json)
 
 
