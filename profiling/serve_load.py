@@ -115,16 +115,17 @@ def _start(model: Path, args, tmp: Path):
     return _wait(server, f"http://127.0.0.1:{port}", "/health", tmp / "server.log"), server
 
 
-def _levels(url: str, args, alive: str = "/health") -> dict:
-    """Every --concurrency level against the server at url; ``alive``: the path polled meanwhile."""
-    return {n: asyncio.run(_level(url, n, args, alive)) for n in args.concurrency}
+def _levels(url: str, args, alive: str = "/health", run: int = 0) -> dict:
+    """Every --concurrency level against the server at url; ``alive``: the path polled meanwhile. Each
+    ``run`` draws its own prompts: a run that repeated another's would find them in the server's prefix cache."""
+    return {n: asyncio.run(_level(url, n, args, alive, run)) for n in args.concurrency}
 
 
 def _beside_busy_loop(url: str, args) -> dict:
     """The levels again while a plain Python busy loop holds a core (issue: a busy machine)."""
     loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        return _levels(url, args)
+        return _levels(url, args, run=1)
     finally:
         loop.kill()
         loop.wait()
@@ -184,10 +185,10 @@ def _prompts(rng, count: int, args) -> list[str]:
     return [tokenizer.decode(ids) for ids in rng.integers(0, tokenizer.eot_id, (count, args.prompt_tokens))]
 
 
-async def _level(url: str, n: int, args, alive: str) -> dict:
+async def _level(url: str, n: int, args, alive: str, run: int) -> dict:
     import httpx
 
-    rng = np.random.default_rng(n)
+    rng = np.random.default_rng([run, n])
     limits = httpx.Limits(max_connections=n + 2)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         await _stream(client, _prompts(rng, 1, args)[0], 4)  # warm-up
