@@ -113,7 +113,8 @@ def _pin(builder, values):
 
 
 def _step(xw):
-    """Inputs per step of the tile for inputs laid out as ``xw`` (a Numba array type): 4 for uint8 (quads), 2 for int16."""
+    """Inputs per step of the tile for inputs laid out as ``xw`` (a Numba array type): 4 for uint8 (quads), 2 for
+    int16 (pairs). The compiled kernels ask _layout."""
     return 4 if xw.dtype == types.uint8 else 2
 
 
@@ -135,12 +136,12 @@ def _tile(typingctx, xw, xs, panel, pscale, pcorr, acc, t0, g0, g1):
 
     if not (isinstance(xw, types.Array) and xw.dtype in (types.int16, types.uint8)):
         return None
-    quads = _step(xw) == 4
+    S = _step(xw)
+    quads = S == 4
     if not (is_c(xw, xw.dtype, 2) and is_c(xs, types.float32, 2)
             and is_c(panel, types.int8 if quads else types.int16, 1) and is_c(pscale, types.float32, 2)
             and is_c(pcorr, types.int32, 2) and is_c(acc, types.float32, 2)):
         return None
-    S = _step(xw)
 
     def codegen(context, builder, sig, args):
         xa, xsa, pa, psa, pca, aa = (context.make_array(ty)(context, builder, v)
