@@ -18,7 +18,7 @@ from numba.extending import intrinsic, overload
 
 from .chunks import _claim
 from .compact import GROUP as _GROUP
-from .kernels import _x86_features
+from .kernels import _as_float32, _as_uint32, _x86_features
 
 _HALF_GROUP = _GROUP // 2
 
@@ -207,23 +207,30 @@ def _widen_group_typed(row, g, s, out):
     return widen
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _quantize_rows(x, xq, xs):
     """xq, xs = int8 x per group of GROUP: scale = max|x| / 127, q = rint(x / scale), 0 for an all-zero group.
 
     x: float32 (T, K); xq: int8 (>= T, K); xs: float32 (>= T, K // GROUP).
-    No fastmath: the division must round as NumPy's does.
+    No fastmath: the division must round as NumPy's does. Written so that LLVM vectorises
+    it: max|x| is taken on the bits with the sign cleared (non-negative floats order as
+    their bits do), and the division is one loop over the row, each value by its group's
+    scale (infinity for an all-zero group, whose values divide to 0), with NumPy's error
+    model (Python's checks every division for a zero divisor, a branch that stops it).
     """
     T, K = x.shape
+    divisor = np.empty(K, np.float32)
     for t in range(T):
+        row, q = x[t], xq[t]
         for g in range(K // _GROUP):
-            amax = np.float32(0.0)
+            top = np.uint32(0)
             for j in range(g * _GROUP, (g + 1) * _GROUP):
-                amax = max(amax, abs(x[t, j]))
-            d = amax / np.float32(127.0)
+                top = max(top, _as_uint32(row[j]) & np.uint32(0x7FFFFFFF))
+            d = _as_float32(top) / np.float32(127.0)
             xs[t, g] = d
-            for j in range(g * _GROUP, (g + 1) * _GROUP):
-                xq[t, j] = np.int8(np.rint(x[t, j] / d)) if d > 0 else np.int8(0)
+            divisor[g * _GROUP:(g + 1) * _GROUP] = d if d > 0 else np.float32(np.inf)
+        for j in range(K):
+            q[j] = np.int8(np.rint(row[j] / divisor[j]))
 
 
 @njit(cache=True, nogil=True, parallel=True)
