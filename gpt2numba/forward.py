@@ -28,7 +28,7 @@ from . import checks, compact
 from .config import GPT2Config
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
 from . import inttiles
-from .intkernels import INT4_ROWS_MAX, INT_ROWS_MAX, _int_matmul, _round_rows
+from .intkernels import INT4_ROWS_MAX, INT_ROWS_MAX, _int_matmul
 from .kernels import _attend, _attention_plan, _gelu, _layernorm, _write_kv, attend_width
 from .matkernels import (
     BF16_ROWS_MAX,
@@ -339,12 +339,11 @@ def _head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, chunks: int)
         _head_compact(w.wte, None, h, logits, chunks)
 
 
-def head_inputs(w: GPT2Weights, h: np.ndarray) -> np.ndarray:
-    """The rows the head multiplies through BLAS: h itself, or for the integer formats h rounded
-    to int8 per group (in place; h: float32 (R, C), the caller's own), as every integer product."""
-    if w.scales:
-        _round_rows(h, h)
-    return h
+def head_inputs(w: GPT2Weights, h: np.ndarray):
+    """The rows as the scoring head takes them (matkernels._head_log_softmax): h itself, or for the
+    integer formats h quantised and laid out for the integer tiles (inttiles.widen), as every
+    integer product multiplies them."""
+    return inttiles.widen(h) if w.scales else h
 
 
 def _split_k(T: int) -> bool:

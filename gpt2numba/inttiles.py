@@ -45,6 +45,7 @@ PANEL = _LANES * _VECTORS  # W's rows per panel: outputs of one tile
 TILE_ROWS = 4  # input rows per tile
 K_BLOCK = 256  # inputs per repacked block of a panel (PANEL x K_BLOCK int16: in L1)
 CHUNK_PANELS = 4  # panels per chunk of work: each block of rows is read once for all of them
+CHUNK = CHUNK_PANELS * PANEL  # outputs per chunk
 _ROW_CHUNKS = 32  # chunks of rows in _widen_rows
 _OFFSET = 128  # added to a quad's inputs, which vpdpbusd takes unsigned
 
@@ -406,6 +407,50 @@ def _widen_rows(x, xq, xs, xw):
     xs[T:] = 0.0
 
 
+def _chunk_buffers(xw, G):
+    """One thread's buffers for _chunk over inputs laid out as xw, with G groups: the chunk's
+    panels (as _new_panel), their scales and corrections, and its float32 sums."""
+
+
+@overload(_chunk_buffers, inline="always")
+def _chunk_buffers_typed(xw, G):
+    def buffers(xw, G):
+        size = K_BLOCK * PANEL  # weights of one panel's block
+        return (_new_panel(xw, CHUNK_PANELS * size), np.empty((CHUNK_PANELS, G, PANEL), np.float32),
+                np.empty((CHUNK_PANELS, G, PANEL), np.int32), np.empty((CHUNK_PANELS, xw.shape[0], PANEL), np.float32))
+    return buffers
+
+
+@njit(cache=True, nogil=True)
+def _chunk(xw, xs, T, w, scale, b, out, accumulate, n0, buffers):
+    """out[:T, n0 : n0 + CHUNK] (+)= x @ W[n0 : n0 + CHUNK].T (+ b), CHUNK = CHUNK_PANELS x PANEL
+    outputs (fewer at W's end), with one thread's buffers (_chunk_buffers).
+
+    For each block of K_BLOCK inputs it repacks the chunk's panels, then runs every block of
+    TILE_ROWS rows against each panel while the rows are in L1. Arguments as _int_tiles.
+    """
+    panels, pscale, pcorr, acc = buffers
+    rows, K = xw.shape
+    N, G = scale.shape[0], K // _GROUP
+    block = K_BLOCK // _GROUP  # groups per repacked block
+    size = K_BLOCK * PANEL
+    count = min(CHUNK_PANELS, (N - n0 + PANEL - 1) // PANEL)  # panels in this chunk
+    acc[:] = 0.0
+    for g0 in range(0, G, block):
+        g1 = min(G, g0 + block)
+        for i in range(count):
+            _pack_panel(w, scale, n0 + i * PANEL, g0, g1, panels[i * size:(i + 1) * size], pscale[i], pcorr[i])
+        for t0 in range(0, rows, TILE_ROWS):
+            for i in range(count):
+                _tile(xw, xs, panels[i * size:(i + 1) * size], pscale[i], pcorr[i], acc[i], t0, g0, g1)
+    for t in range(T):  # row by row: a panel's outputs are one cache line of out's row
+        for i in range(count):
+            for j in range(min(PANEL, N - n0 - i * PANEL)):
+                n = n0 + i * PANEL + j
+                v = acc[i, t, j] + b[n] if b is not None else acc[i, t, j]
+                out[t, n] = out[t, n] + v if accumulate else v
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _int_tiles(xw, xs, T, w, scale, b, out, accumulate, n_workers):
     """out (+)= x @ W.T (+ b) for many rows, W an integer matrix read as stored.
@@ -413,41 +458,17 @@ def _int_tiles(xw, xs, T, w, scale, b, out, accumulate, n_workers):
     xw: int16 or uint8 (rows, K), the T input rows quantised and laid out for pairs or quads
     (_widen_rows), rows a multiple of TILE_ROWS; xs: float32 (rows, K // GROUP), 0 past T;
     w: int8 (N, K) or packed int4 uint8 (N, K // 2); scale: (N, K // GROUP); b: (N,) or None;
-    out: (T, N). Each of n_workers takes chunks of CHUNK_PANELS panels of PANEL outputs from an
-    atomic counter; for each block of K_BLOCK inputs it repacks the chunk's panels, then runs every
-    block of TILE_ROWS rows against each panel while the rows are in L1. An output's result
-    does not depend on its chunk, nor on the thread that computes it, nor on the layout.
+    out: (T, N). Each of n_workers takes chunks of CHUNK outputs (_chunk) from an atomic
+    counter. An output's result does not depend on its chunk, nor on the thread that
+    computes it, nor on the layout.
     """
-    rows, K = xw.shape
-    N, G = scale.shape[0], K // _GROUP
-    width = CHUNK_PANELS * PANEL  # outputs per chunk
-    n_chunks = (N + width - 1) // width
-    block = K_BLOCK // _GROUP  # groups per repacked block
-    size = block * _GROUP * PANEL  # weights of one panel's block
+    n_chunks = (scale.shape[0] + CHUNK - 1) // CHUNK
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
     for _ in prange(n_workers):
-        panels = _new_panel(xw, CHUNK_PANELS * size)
-        pscale = np.empty((CHUNK_PANELS, G, PANEL), np.float32)
-        pcorr = np.empty((CHUNK_PANELS, G, PANEL), np.int32)
-        acc = np.empty((CHUNK_PANELS, rows, PANEL), np.float32)
+        buffers = _chunk_buffers(xw, scale.shape[1])
         c = _claim(nxt)
         while c < n_chunks:
-            n0 = c * width
-            count = min(CHUNK_PANELS, (N - n0 + PANEL - 1) // PANEL)  # panels in this chunk
-            acc[:] = 0.0
-            for g0 in range(0, G, block):
-                g1 = min(G, g0 + block)
-                for i in range(count):
-                    _pack_panel(w, scale, n0 + i * PANEL, g0, g1, panels[i * size:(i + 1) * size], pscale[i], pcorr[i])
-                for t0 in range(0, rows, TILE_ROWS):
-                    for i in range(count):
-                        _tile(xw, xs, panels[i * size:(i + 1) * size], pscale[i], pcorr[i], acc[i], t0, g0, g1)
-            for t in range(T):  # row by row: a panel's outputs are one cache line of out's row
-                for i in range(count):
-                    for j in range(min(PANEL, N - n0 - i * PANEL)):
-                        n = n0 + i * PANEL + j
-                        v = acc[i, t, j] + b[n] if b is not None else acc[i, t, j]
-                        out[t, n] = out[t, n] + v if accumulate else v
+            _chunk(xw, xs, T, w, scale, b, out, accumulate, c * CHUNK, buffers)
             c = _claim(nxt)
 
 
@@ -458,6 +479,14 @@ def _tiles_matmul(x, xq, xs, xw, w, scale, b, out, accumulate, n_workers):
     (or either layout's type) with rows(T) rows; the rest as _int_tiles."""
     _widen_rows(x, xq, xs, xw)
     _int_tiles(xw, xs, x.shape[0], w, scale, b, out, accumulate, n_workers)
+
+
+def widen(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(xw, xs): float32 rows x (T, K) quantised and laid out for the tiles (_widen_rows), in new arrays."""
+    n, K = rows(len(x)), x.shape[1]
+    xw, xs = np.empty((n, K), WIDE), np.empty((n, K // _GROUP), np.float32)
+    _widen_rows(x, np.empty((n, K), np.int8), xs, xw)
+    return xw, xs
 
 
 def rows(T: int) -> int:

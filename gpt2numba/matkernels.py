@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from . import inttiles
 from .chunks import _claim
 from .intkernels import _widen_group
 from .kernels import FASTMATH, ROW_CHUNKS, SERIAL_ROWS, _as_float32, _exp_inplace, _x86_features
@@ -332,19 +333,54 @@ def _widen_rows(wte, scale, c0, c1, dense):
                 _widen_group(wte[v], g, scale[v, g], dense[v - c0])
 
 
+def _head_work(wte, inputs):
+    """One thread's buffers for _head_scores: wte's rows of a chunk widened (float formats), or the
+    integer tiles' buffers (inputs (xw, xs))."""
+
+
+@overload(_head_work, inline="always")
+def _head_work_typed(wte, inputs):
+    if isinstance(inputs, types.BaseTuple):
+        return lambda wte, inputs: inttiles._chunk_buffers(inputs[0], inputs[1].shape[1])
+    return lambda wte, inputs: np.empty((HEAD_CHUNK, inputs.shape[1]), np.float32)
+
+
+def _head_scores(wte, scale, inputs, c0, c1, work, chunk):
+    """chunk (R, c1 - c0) = the logits of vocabulary rows c0..c1-1: inputs @ W[c0:c1].T, W = wte
+    widened to float32 and one BLAS product; or for the integer formats (inputs = (xw, xs), as
+    inttiles.widen lays them out) the integer tiles, W read as stored."""
+
+
+@overload(_head_scores, inline="always")
+def _head_scores_typed(wte, scale, inputs, c0, c1, work, chunk):
+    if isinstance(inputs, types.BaseTuple):
+        def tiles(wte, scale, inputs, c0, c1, work, chunk):
+            for n0 in range(0, c1 - c0, inttiles.CHUNK):
+                inttiles._chunk(inputs[0], inputs[1], chunk.shape[0], wte[c0:c1], scale[c0:c1], None, chunk,
+                                False, n0, work)
+        return tiles
+
+    def dense(wte, scale, inputs, c0, c1, work, chunk):
+        _widen_rows(wte, scale, c0, c1, work)
+        np.dot(inputs, work[: c1 - c0].T, chunk)
+    return dense
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _head_log_softmax(wte, scale, h, targets, logprob, best, n_blocks):
+def _head_log_softmax(wte, scale, inputs, targets, logprob, best, n_blocks):
     """log softmax(h @ W.T) at each row's target, and each row's argmax, with no (R, V) array.
 
-    wte, scale: as _widen_rows takes them; h: (R, C), rounded first for the integer formats;
-    targets: int64 (R,), ids in [0, V) or -1 for a row with none (its logprob is nan); logprob: float64 (R,); best: int64 (R,), the lowest id of the largest logit.
-    Each thread takes a block of the vocabulary in chunks of HEAD_CHUNK rows (widened
-    to float32, then one BLAS product for every row) and keeps, per row, a running max,
-    the sum of exp(logit - max) and the argmax; the blocks are merged at the end:
-    memory is O(R x threads + chunk).
+    wte, scale: as _widen_rows takes them; inputs: h (R, C), or for the integer formats h
+    quantised for the tiles, (xw, xs) (inttiles.widen); targets: int64 (R,), ids in [0, V)
+    or -1 for a row with none (its logprob is nan); logprob: float64 (R,); best: int64 (R,),
+    the lowest id of the largest logit.
+    Each thread takes a block of the vocabulary in chunks of HEAD_CHUNK rows (_head_scores:
+    one product for every row) and keeps, per row, a running max, the sum of
+    exp(logit - max) and the argmax; the blocks are merged at the end: memory is
+    O(R x threads + chunk).
     """
     V = wte.shape[0]
-    R, C = h.shape
+    R = targets.shape[0]
     step = (V + n_blocks - 1) // n_blocks
     peak = np.full((n_blocks, R), -np.inf)  # float64: running max per block and row
     total = np.zeros((n_blocks, R))          # sum of exp(logit - peak)
@@ -352,7 +388,7 @@ def _head_log_softmax(wte, scale, h, targets, logprob, best, n_blocks):
     hit = np.full(R, np.nan)                 # the target's logit, from the block that holds it
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
     for _ in prange(n_blocks):
-        dense = np.empty((HEAD_CHUNK, C), np.float32)
+        work = _head_work(wte, inputs)
         scores = np.empty(R * HEAD_CHUNK, np.float32)
         bits = np.empty(HEAD_CHUNK, np.int32)
         blk = _claim(nxt)
@@ -360,9 +396,8 @@ def _head_log_softmax(wte, scale, h, targets, logprob, best, n_blocks):
             lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
             for c0 in range(lo, hi, HEAD_CHUNK):
                 c1 = min(hi, c0 + HEAD_CHUNK)
-                _widen_rows(wte, scale, c0, c1, dense)
                 chunk = scores[: R * (c1 - c0)].reshape(R, c1 - c0)
-                np.dot(h, dense[: c1 - c0].T, chunk)
+                _head_scores(wte, scale, inputs, c0, c1, work, chunk)
                 for r in range(R):
                     row = chunk[r]
                     t = targets[r]

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 
 import gpt2numba as g
 import helpers
-from conftest import TINY
+from conftest import TINY, TINY_GPT2
 from gpt2numba import compact, oracle
 from test_prefill import prompts
 
@@ -84,6 +84,22 @@ def test_score_gpt2_small_shapes(small, ids):
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
 def test_score_compact(tiny, rng, dtype):
     check_score(rng.integers(0, TINY.vocab_size, 30), tiny.astype(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", compact.INTEGER)
+def test_integer_scores_are_the_logits_heads(rng, dtype):
+    """The integer formats' scoring head multiplies as their logits head does (the integer tiles, wte as
+    stored): each log-probability is the log-softmax of prefill's own logits, to float32's rounding.
+
+    Catches: a vocabulary chunk of the head read at the wrong rows or cut short (GPT-2's 50257 ids end
+    in a part chunk), a chunk's outputs written to the wrong columns."""
+    w = g.random_weights(TINY_GPT2, seed=4).astype(dtype)
+    ids = rng.integers(0, TINY_GPT2.vocab_size, 40)
+    logits = g.prefill(ids, w, g.ModelCache(TINY_GPT2), logits="all").astype(np.float64)
+    ref = log_softmax(logits)[np.arange(len(ids) - 1), ids[1:]]
+    s = g.score(ids, w)
+    np.testing.assert_allclose(s.logprobs, ref, atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(s.greedy, logits[:-1].argmax(axis=1) == ids[1:])
 
 
 def test_score_large_logits(tiny, rng):
