@@ -117,7 +117,8 @@ def _bench_throughput(tmp_path, *extra):
 
 def test_bench_throughput(tmp_path):
     t, stdout = _bench_throughput(tmp_path, "--dtypes", "float32", "int8", "--accuracy-prompts", "2",
-                                  "--no-transformers")
+                                  "--no-transformers", "--plot", str(tmp_path / "throughput.png"))
+    assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "drew" in stdout
     assert set(t["batches"]) == {"1", "3"}
     for B in ("1", "3"):
         decode = t["batches"][B]["decode"]
@@ -133,6 +134,15 @@ def test_bench_throughput(tmp_path):
     assert (p["prompts"], p["length"]) == (8, 4) and p["gpt2numba"]["batch"]["n"] == 2
     assert p["gpt2numba"]["max_abs_logit_diff"] < 1e-4 and p["gpt2numba int8"]["sequential"]["median_ms"] > 0
     assert "throughput" in stdout and "ragged" in stdout and "prefill 8 x 4 tokens" in stdout
+
+
+def test_bench_plot_needs_the_throughput_section(capsys):
+    from gpt2numba import bench
+
+    for other in ("--no-throughput", "--score"):
+        with pytest.raises(SystemExit):
+            bench.main(["--plot", "t.png", other])
+        assert "--plot draws the throughput section" in capsys.readouterr().err
 
 
 def test_bench_throughput_skips_what_does_not_fit(tmp_path):

@@ -19,6 +19,7 @@ floors are printed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import tempfile
 from pathlib import Path
@@ -31,7 +32,12 @@ __all__ = ["main", "wait_for_idle"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.plot and (args.no_throughput or args.score or args.llama or args.ct2 or args.neighbour):
+        parser.error("--plot draws the throughput section: not with --no-throughput or another section")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install 'gpt2numba[bench]'")
     args.lengths = args.lengths or ([128, 512] if args.llama else [16, 128, 512, 1024])
     args.contexts = args.contexts or ([128, 900] if args.llama else [16, 128, 900])
 
@@ -52,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
                    else neighbour if args.neighbour else standard)
         report.update(section.run(args, model_dir, w))
     section.print_report(report)
+    if args.plot:
+        standard.throughput.plot(report["throughput"], args.plot)
+        print(f"\ndrew {args.plot}")
     m = report["machine"]
     print(f"\nmachine: {m['cpu']}, {m['cpus']} CPUs; the integer tiles multiply with {m['integer_tiles']}")
     return _write(report, args.json)
@@ -82,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-transformers", action="store_true", help="only gpt2numba and the floors")
     p.add_argument("--no-processes", action="store_true", help="skip cold start and peak memory")
     p.add_argument("--json", type=Path, help="write every figure here")
+    p.add_argument("--plot", type=Path, metavar="PNG",
+                   help="draw the throughput section, tokens/s against sequences per step, here (matplotlib)")
     scoring = p.add_argument_group("scoring", "gpt2numba bench --score runs this section alone (float32)")
     scoring.add_argument("--score", action="store_true", help="the scoring benchmark instead of the above")
     scoring.add_argument("--score-long", type=int, default=4096, metavar="TOKENS", help="the long document")

@@ -185,6 +185,31 @@ def print_report(t, floors):
         print(f"throughput: {note}")
 
 
+def plot(t, path) -> None:
+    """A PNG at ``path``: each system's tokens/s against the sequences of a decode_batch step (the rows of
+    its matrix products), both axes logarithmic. Needs matplotlib (the [bench] extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no screen needed
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(t["batches"], key=int)
+    names = dict.fromkeys(name for B in sizes for name, _ in system_rows(t["batches"][B]["decode"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in names:
+        have = [B for B in sizes if name in t["batches"][B]["decode"]]
+        ax.plot([int(B) for B in have], [t["batches"][B]["decode"][name]["tok_s"] for B in have], marker="o",
+                label=name)
+    ax.set(xscale="log", yscale="log", xlabel="sequences per decode_batch step (rows of its matrix products)",
+           ylabel="tokens/s", title=f"B sequences decoding together at context {t['context']}")
+    ax.set_xticks([int(B) for B in sizes], [str(B) for B in sizes])
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _print_batch(label, entry, base):
     row = entry["decode"]
     for name, o in system_rows(row):
