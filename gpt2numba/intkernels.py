@@ -5,8 +5,7 @@ of GROUP (_quantize_rows). Up to INT_ROWS_MAX rows, _int_rows multiplies int8 by
 int8 (int4 unpacked in registers) into int32, one group at a time, and scales once
 per group; its dot product, _dot_row, is written in LLVM's vector IR so that every
 x86 gets the CPU's 8-bit multiply-add (vpmaddubsw with AVX2, else pmaddwd). More
-rows go to inttiles.py, in tiles of rows and outputs. The BLAS heads of scoring take
-the inputs rounded to the same int8 values (_round_rows).
+rows go to inttiles.py, in tiles of rows and outputs.
 
 Private and unchecked, as kernels.py: callers in forward.py validate.
 """
@@ -29,7 +28,6 @@ _HALF_GROUP = _GROUP // 2
 # against 2.9, 4 rows 3.0 against 3.1, 6 rows 4.7 against 4.5, 8 rows 6.5 against 4.7.
 INT_ROWS_MAX = 10
 INT4_ROWS_MAX = 4
-_ROW_CHUNKS = 32  # chunks of rows in _round_rows (as kernels.ROW_CHUNKS)
 
 
 def _madd_pairs(builder, a, b):
@@ -231,27 +229,6 @@ def _quantize_rows(x, xq, xs):
             divisor[g * _GROUP:(g + 1) * _GROUP] = d if d > 0 else np.float32(np.inf)
         for j in range(K):
             q[j] = np.int8(np.rint(row[j] / divisor[j]))
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _round_rows(x, out):
-    """out = the values x stands for as the integer formats' input: int8 per group, times its scale.
-
-    x, out: float32 (T, K). For the BLAS paths, so that they multiply what _int_rows multiplies.
-    """
-    T, K = x.shape
-    n_chunks = min(T, _ROW_CHUNKS)
-    nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
-    for _ in prange(n_chunks):
-        q = np.empty((1, K), np.int8)
-        s = np.empty((1, K // _GROUP), np.float32)
-        c = _claim(nxt)
-        while c < n_chunks:
-            for t in range(c * T // n_chunks, (c + 1) * T // n_chunks):
-                _quantize_rows(x[t:t + 1], q, s)
-                for j in range(K):
-                    out[t, j] = np.float32(q[0, j]) * s[0, j // _GROUP]
-            c = _claim(nxt)
 
 
 @njit(cache=True, nogil=True, parallel=True)

@@ -281,7 +281,8 @@ def _reduce(partial, b, out, accumulate):
 def _head_compact(wte, scale, h, out, n_blocks):
     """out = h @ W.T for a compact wte (V, C): bfloat16 bits with scale None, or int8 / packed int4
     with scales (V, C // GROUP) and h already rounded as the integer formats' inputs are
-    (intkernels._round_rows); h: (R, C); out: (R, V).
+    (forward.py calls it for bfloat16 only; the integer formats' heads run in integers); h: (R, C);
+    out: (R, V).
 
     One row of bfloat16: a dot product per vocabulary row, widened in registers. Otherwise
     each thread widens HEAD_CHUNK vocabulary rows of its block at a time, then BLAS.
