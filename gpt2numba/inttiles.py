@@ -46,6 +46,7 @@ TILE_ROWS = 4  # input rows per tile
 K_BLOCK = 256  # inputs per repacked block of a panel (PANEL x K_BLOCK int16: in L1)
 CHUNK_PANELS = 4  # panels per chunk of work: each block of rows is read once for all of them
 CHUNK = CHUNK_PANELS * PANEL  # outputs per chunk
+_BLOCK_WEIGHTS = K_BLOCK * PANEL  # weights of one panel's repacked block
 _ROW_CHUNKS = 32  # chunks of rows in _widen_rows
 _OFFSET = 128  # added to a quad's inputs, which vpdpbusd takes unsigned
 
@@ -415,8 +416,7 @@ def _chunk_buffers(xw, G):
 @overload(_chunk_buffers, inline="always")
 def _chunk_buffers_typed(xw, G):
     def buffers(xw, G):
-        size = K_BLOCK * PANEL  # weights of one panel's block
-        return (_new_panel(xw, CHUNK_PANELS * size), np.empty((CHUNK_PANELS, G, PANEL), np.float32),
+        return (_new_panel(xw, CHUNK_PANELS * _BLOCK_WEIGHTS), np.empty((CHUNK_PANELS, G, PANEL), np.float32),
                 np.empty((CHUNK_PANELS, G, PANEL), np.int32), np.empty((CHUNK_PANELS, xw.shape[0], PANEL), np.float32))
     return buffers
 
@@ -432,8 +432,7 @@ def _chunk(xw, xs, T, w, scale, b, out, accumulate, n0, buffers):
     panels, pscale, pcorr, acc = buffers
     rows, K = xw.shape
     N, G = scale.shape[0], K // _GROUP
-    block = K_BLOCK // _GROUP  # groups per repacked block
-    size = K_BLOCK * PANEL
+    block, size = K_BLOCK // _GROUP, _BLOCK_WEIGHTS  # groups and weights of a panel's repacked block
     count = min(CHUNK_PANELS, (N - n0 + PANEL - 1) // PANEL)  # panels in this chunk
     acc[:] = 0.0
     for g0 in range(0, G, block):

@@ -334,16 +334,16 @@ def _widen_rows(wte, scale, c0, c1, dense):
                 _widen_group(wte[v], g, scale[v, g], dense[v - c0])
 
 
-def _head_work(wte, inputs):
-    """One thread's buffers for _head_scores: wte's rows of a chunk widened (float formats), or the
+def _head_work(inputs):
+    """One thread's buffers for _head_scores: a chunk of wte's rows widened (float formats), or the
     integer tiles' buffers (inputs (xw, xs))."""
 
 
 @overload(_head_work, inline="always")
-def _head_work_typed(wte, inputs):
+def _head_work_typed(inputs):
     if isinstance(inputs, types.BaseTuple):
-        return lambda wte, inputs: inttiles._chunk_buffers(inputs[0], inputs[1].shape[1])
-    return lambda wte, inputs: np.empty((HEAD_CHUNK, inputs.shape[1]), np.float32)
+        return lambda inputs: inttiles._chunk_buffers(inputs[0], inputs[1].shape[1])
+    return lambda inputs: np.empty((HEAD_CHUNK, inputs.shape[1]), np.float32)
 
 
 def _head_scores(wte, scale, inputs, c0, c1, work, chunk):
@@ -389,7 +389,7 @@ def _head_log_softmax(wte, scale, inputs, targets, logprob, best, n_blocks):
     hit = np.full(R, np.nan)                 # the target's logit, from the block that holds it
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
     for _ in prange(n_blocks):
-        work = _head_work(wte, inputs)
+        work = _head_work(inputs)
         scores = np.empty(R * HEAD_CHUNK, np.float32)
         bits = np.empty(HEAD_CHUNK, np.int32)
         blk = _claim(nxt)

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from ..compact import DTYPES
-from . import ct2, llama, neighbour, scoring, standard
+from . import ct2, llama, neighbour, scoring, standard, throughput
 from .core import machine, set_idle_patience, wait_for_idle
 
 __all__ = ["main", "wait_for_idle"]
@@ -34,7 +34,9 @@ __all__ = ["main", "wait_for_idle"]
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.plot and (args.no_throughput or args.score or args.llama or args.ct2 or args.neighbour):
+    section = (scoring if args.score else llama if args.llama else ct2 if args.ct2
+               else neighbour if args.neighbour else standard)
+    if args.plot and (section is not standard or args.no_throughput):
         parser.error("--plot draws the throughput section: not with --no-throughput or another section")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: pip install 'gpt2numba[bench]'")
@@ -54,12 +56,10 @@ def main(argv: list[str] | None = None) -> int:
             g.save_weights(g.random_weights(g.GPT2Config.small(), seed=0), model_dir)
         w = g.load_weights(model_dir)
         report["model"] = str(args.model or "random GPT-2 small (seed 0)")
-        section = (scoring if args.score else llama if args.llama else ct2 if args.ct2
-                   else neighbour if args.neighbour else standard)
         report.update(section.run(args, model_dir, w))
     section.print_report(report)
     if args.plot:
-        standard.throughput.plot(report["throughput"], args.plot)
+        throughput.plot(report["throughput"], args.plot)
         print(f"\ndrew {args.plot}")
     m = report["machine"]
     print(f"\nmachine: {m['cpu']}, {m['cpus']} CPUs; the integer tiles multiply with {m['integer_tiles']}")
