@@ -24,7 +24,7 @@ import numba
 import numpy as np
 from numba import typed
 
-from . import checks, compact
+from . import checks, compact, pool
 from .config import GPT2Config
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
 from . import inttiles
@@ -154,6 +154,8 @@ def _passive_openmp() -> None:
 
 
 _passive_openmp()
+if pool.enabled():
+    pool.install()
 
 
 # --- validation: everything is checked before any cache is touched -----------------------------------
@@ -243,7 +245,7 @@ def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], h
     tiles, bounds = _attention_plan(row0, pos0, cfg.n_head, chunks)
     eps = cfg.layer_norm_epsilon
     linear = functools.partial(_matmul, w=w, work=work, chunks=chunks)
-    with _one_blas_thread():
+    with pool.pinned(), _one_blas_thread():
         for layer in range(cfg.n_layer):
             _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
             linear(h, "c_attn_w", layer, w.c_attn_b[layer], out=qkv, accumulate=False)

@@ -58,7 +58,7 @@ def instrument(totals):
 
 
 def thread_stats() -> np.ndarray:
-    """For this (the calling) thread and, summed, the others (the threading layer's workers): CPU ns, ns
+    """For this (the calling) thread and, summed, the others (the pool's workers): CPU ns, ns
     runnable but waiting for a CPU, and voluntary context switches (times a thread went to sleep).
     Zeros where /proc has no schedstat."""
     total, me = np.zeros((2, 3)), str(threading.get_native_id())

@@ -1,8 +1,8 @@
-"""Results do not depend on how the work is scheduled: thread counts and threading layers.
+"""Results do not depend on how the work is scheduled: thread counts, the pool and threading layers.
 
 Every parallel kernel cuts its work into the same chunks whatever the thread count
 (forward.MIN_CHUNKS) and threads claim them as they are free (chunks.py), so 1 and 2
-threads, and every threading layer, must give the same bits.
+threads, gpt2numba's pool (pool.py) and every threading layer of Numba's, must give the same bits.
 """
 
 import concurrent.futures
@@ -76,8 +76,14 @@ def test_one_and_two_threads_give_the_same_bits():
 
 @pytest.mark.parametrize("layer", ["omp", "tbb", "workqueue"])
 def test_every_threading_layer_gives_the_same_bits(layer):
-    """Each layer in its own process (a process picks its layer once), against this one's."""
-    assert _digests({"NUMBA_THREADING_LAYER": layer, "NUMBA_NUM_THREADS": "2"}) == _digests()
+    """Each of Numba's layers on its own (GPT2NUMBA_POOL=0), in its own process (a process picks its layer
+    once), against this one's regions on gpt2numba's pool."""
+    assert _digests({"NUMBA_THREADING_LAYER": layer, "NUMBA_NUM_THREADS": "2", "GPT2NUMBA_POOL": "0"}) == _digests()
+
+
+def test_more_threads_than_cpus_give_the_same_bits():
+    """12 threads (unpinned on a small machine) cut the work in more chunks, so against 12 on Numba's layer."""
+    assert _digests({"NUMBA_NUM_THREADS": "12"}) == _digests({"NUMBA_NUM_THREADS": "12", "GPT2NUMBA_POOL": "0"})
 
 
 def test_chunks_do_not_follow_the_thread_count(monkeypatch):

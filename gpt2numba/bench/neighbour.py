@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import pool
 from ..config import GPT2Config
 from . import ct2, llama
 from .core import Load, Remote, gpt2numba_system, start_peer, wait_for_idle
@@ -61,8 +62,6 @@ def add_arguments(p) -> None:
 
 
 def run(args, model_dir, w) -> dict:
-    import numba
-
     jobs, rows, notes = _jobs(w.config, args), [], []
     with tempfile.TemporaryDirectory() as tmp:
         for system, fmt, start, workloads in _systems(args, model_dir, w, Path(tmp), notes):
@@ -80,7 +79,7 @@ def run(args, model_dir, w) -> dict:
                           file=sys.stderr, flush=True)
             finally:
                 remote.close()
-    return {"neighbour": rows, "threading_layer": numba.threading_layer(), "busy_loop": BUSY_LOOP,
+    return {"neighbour": rows, "threads_run_on": pool.describe(), "busy_loop": BUSY_LOOP,
             "notes": notes}
 
 
@@ -142,7 +141,7 @@ def _timer(remote, name, job):
 
 
 def print_report(r) -> None:
-    print(f"\n{r['model']}, {r['threads']} threads, Numba's {r['threading_layer']} threading layer; "
+    print(f"\n{r['model']}, {r['threads']} threads on {r['threads_run_on']}; "
           f"the neighbour: `python -c '{r['busy_loop']}'`")
     print(f"{'system':<12} {'workload':<9} {'format':<13} {'alone':>10}"
           + "".join(f" {n:>10} {'slowdown':>8}" for n in NEIGHBOURS) + f" {'others':>7}")

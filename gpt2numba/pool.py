@@ -1,0 +1,434 @@
+"""Numba's parallel regions on threads of our own, pinned one to a CPU, that keep their cores on a busy machine.
+
+Every prange in the kernels compiles to a call of the symbol ``numba_parallel_for`` with a
+schedule of entries (one per thread, each a run of the prange's iterations) and a gufunc
+that runs them; Numba's threading layer provides the symbol. With another busy process on
+the machine, TBB's workers lose: between regions they yield, and the scheduler (EEVDF)
+gives a yielded core to the neighbour for a whole time slice; and unpinned, our two
+threads end up queued on one CPU while the neighbour has the other to itself
+(docs/performance.md, "A busy machine").
+
+So this module points ``numba_parallel_for`` (and ``get_thread_id``) at its own cfuncs, which
+run each schedule on a pool of threads of ours, the caller among them:
+
+- A job is published under GEN: odd while the caller writes it, even once it may be read.
+  Threads claim entries with a compare-and-swap on NEXT, whose high half is the GEN the
+  entry belongs to, so a thread that read a job late can never run an entry of the next.
+- Waiting spins (``pause``, never a yield), then sleeps on a futex.
+- When the threads cover every CPU the process may use, each is pinned to its own CPU (the
+  caller only during a forward pass, ``pinned()``). Then a neighbour shares one CPU with one
+  thread. If it preempts that thread in the middle of an entry, the caller, once idle,
+  sees that the thread's CPU time has stopped and moves the thread to its own CPU; the
+  thread pins itself back once it has run its entries.
+
+Which thread runs an entry never changes what the entry computes (chunks.py), so results
+are the same bits as under Numba's own layer. A region started while another runs (another
+Python thread, or a prange inside a prange) runs on its caller alone. ``GPT2NUMBA_POOL=0``
+in the environment keeps Numba's threading layer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import platform
+import sys
+import threading
+
+import numba
+import numpy as np
+from llvmlite import binding as ll, ir
+from numba import cfunc, njit, types
+from numba.extending import intrinsic
+
+SPIN = 4000  # pauses (25-40 ns each) a waiting thread spins before it sleeps
+CHECK = 256  # pauses between the caller's looks at a thread that holds an entry
+SPACE = 256  # per thread: room for one entry's argument pointers and counts
+MASK_WORDS = 16  # CPU masks of up to 1024 CPUs
+
+# the state: int64 words; those written by different threads a cache line apart
+GEN, BUSY, SLEEPERS, WAITING, NEXT, DONE = 0, 8, 16, 24, 32, 40
+FN, ARGS, DIMS, STEPS, DATA, NARR, NDIM, TOTAL, NTHREADS, NWORK, PIN = range(48, 59)
+MAX_THREADS = 64
+PER_THREAD = 8 * MAX_THREADS  # words of each per-thread array: thread k's (0 is the caller) at 8 k
+TIDS, RUNNING, MOVED, SEEN_CPU = (64 + i * PER_THREAD for i in range(4))
+WORDS = 64 + 4 * PER_THREAD
+_state = np.zeros(WORDS, np.int64)
+_space = np.zeros((MAX_THREADS, 2, SPACE), np.int64)  # per thread: argument pointers, counts
+_masks = np.zeros((MAX_THREADS, MASK_WORDS), np.uint64)  # per thread: its CPU
+ll.add_symbol("gpt2numba_pool_state", _state.ctypes.data)
+ll.add_symbol("gpt2numba_pool_space", _space.ctypes.data)
+ll.add_symbol("gpt2numba_pool_masks", _masks.ctypes.data)
+
+SYS_GETTID, SYS_FUTEX, SYS_SCHED_SETAFFINITY, SYS_CLOCK_GETTIME, SYS_GETCPU = 186, 202, 203, 228, 309  # x86-64
+FUTEX_WAIT, FUTEX_WAKE = 128, 129  # the process-private forms
+_MASK32 = (1 << 32) - 1
+
+_i64, _i8p = ir.IntType(64), ir.IntType(8).as_pointer()
+
+
+def _global(builder, name):
+    """The address, as int64, of one of the buffers above (resolved when the code is linked, so cacheable)."""
+    g = builder.module.globals.get(name)
+    if g is None:
+        g = ir.GlobalVariable(builder.module, _i64, name)
+        g.linkage = "external"
+    return builder.ptrtoint(g, _i64)
+
+
+@intrinsic
+def _base(typingctx, which):
+    """Address of the state (0), the spaces (1) or the masks (2)."""
+    names = ("gpt2numba_pool_state", "gpt2numba_pool_space", "gpt2numba_pool_masks")
+
+    def codegen(context, builder, sig, args):
+        out = [_global(builder, n) for n in names]
+        return builder.select(builder.icmp_signed("==", args[0], _i64(0)), out[0],
+                              builder.select(builder.icmp_signed("==", args[0], _i64(1)), out[1], out[2]))
+    return types.int64(types.int64), codegen
+
+
+def _p(builder, addr):
+    return builder.inttoptr(addr, _i64.as_pointer())
+
+
+@intrinsic
+def _load(typingctx, addr):
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(_p(builder, args[0]), "acquire", 8)
+    return types.int64(types.int64), codegen
+
+
+@intrinsic
+def _store(typingctx, addr, value):
+    def codegen(context, builder, sig, args):
+        builder.store_atomic(args[1], _p(builder, args[0]), "release", 8)
+        return context.get_dummy_value()
+    return types.none(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _add(typingctx, addr, value):
+    """*addr += value, sequentially consistent; returns the value before."""
+    def codegen(context, builder, sig, args):
+        return builder.atomic_rmw("add", _p(builder, args[0]), args[1], "seq_cst")
+    return types.int64(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _cas(typingctx, addr, old, new):
+    """Whether *addr went from old to new."""
+    def codegen(context, builder, sig, args):
+        pair = builder.cmpxchg(_p(builder, args[0]), args[1], args[2], "seq_cst", "seq_cst")
+        return builder.extract_value(pair, 1)
+    return types.boolean(types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _pause(typingctx):
+    def codegen(context, builder, sig, args):
+        fn = builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(ir.VoidType(), []))
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@intrinsic
+def _syscall(typingctx, number, a, b, c, d):
+    """libc's syscall(number, a, b, c, d), every argument an integer."""
+    def codegen(context, builder, sig, args):
+        fn = builder.module.globals.get("syscall")
+        if fn is None:
+            fn = ir.Function(builder.module, ir.FunctionType(_i64, [_i64], var_arg=True), "syscall")
+        return builder.call(fn, list(args))
+    return types.int64(types.int64, types.int64, types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _call_kernel(typingctx, fn, args, dims, steps, data):
+    """fn(args, dims, steps, data): a gufunc's inner loop, every argument an address."""
+    def codegen(context, builder, sig, llargs):
+        fnty = ir.FunctionType(ir.VoidType(), [_i8p.as_pointer(), _i64.as_pointer(), _i64.as_pointer(), _i8p])
+        f = builder.inttoptr(llargs[0], fnty.as_pointer())
+        builder.call(f, [builder.inttoptr(llargs[1], _i8p.as_pointer()), _p(builder, llargs[2]),
+                         _p(builder, llargs[3]), builder.inttoptr(llargs[4], _i8p)])
+        return context.get_dummy_value()
+    return types.none(types.int64, types.int64, types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _address(typingctx, p):
+    def codegen(context, builder, sig, args):
+        return builder.ptrtoint(args[0], _i64)
+    return types.int64(types.voidptr), codegen
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _at(word):
+    return _base(0) + 8 * word
+
+
+@njit(nogil=True, cache=True)
+def _futex_wait(word, expected):
+    _syscall(SYS_FUTEX, _at(word), FUTEX_WAIT, expected & _MASK32, 0)
+
+
+@njit(nogil=True, cache=True)
+def _futex_wake(word):
+    _syscall(SYS_FUTEX, _at(word), FUTEX_WAKE, 1 << 30, 0)
+
+
+@njit(nogil=True, cache=True)
+def _pin(tid, k):
+    """Pin thread ``tid`` (0: the calling one) to thread k's CPU."""
+    _syscall(SYS_SCHED_SETAFFINITY, tid, 8 * MASK_WORDS, _base(2) + 8 * MASK_WORDS * k, 0)
+
+
+@njit(nogil=True, cache=True)
+def _cpu_ns(tid):
+    """CPU time of thread ``tid`` in ns (its clock, CLOCK_THREAD_CPUTIME of another thread)."""
+    ts = np.zeros(2, np.int64)
+    _syscall(SYS_CLOCK_GETTIME, ((~tid) << 3) | 6, ts.ctypes.data, 0, 0)
+    return ts[0] * 1_000_000_000 + ts[1]
+
+
+@njit(nogil=True, cache=True)
+def _run_entries(g, k):
+    """As thread k, claim entries of the job published under GEN g and run them until none is left."""
+    fn, args, dims, steps = _load(_at(FN)), _load(_at(ARGS)), _load(_at(DIMS)), _load(_at(STEPS))
+    data, n_arr, n_dim, total = _load(_at(DATA)), _load(_at(NARR)), _load(_at(NDIM)), _load(_at(TOTAL))
+    if _load(_at(GEN)) != g or k >= _load(_at(NTHREADS)):  # over, or not for as many threads as this
+        return
+    argv = _base(1) + 8 * 2 * SPACE * k
+    countv = argv + 8 * SPACE
+    tag = g & _MASK32
+    while True:
+        w = _load(_at(NEXT))
+        i = w & _MASK32
+        if (w >> 32) & _MASK32 != tag or i >= total:
+            return
+        if not _cas(_at(NEXT), w, w + 1):
+            continue
+        for j in range(1, n_dim + 1):
+            _store(countv + 8 * j, _load(dims + 8 * j))
+        _store(countv, 1)
+        for j in range(n_arr):
+            _store(argv + 8 * j, _load(args + 8 * j) + _load(steps + 8 * j) * i)
+        _store(_at(RUNNING + 8 * k), 1)
+        _call_kernel(fn, argv, countv, steps, data)
+        _store(_at(RUNNING + 8 * k), 0)
+        if _add(_at(DONE), 1) + 1 == total and _load(_at(WAITING)) != 0:
+            _futex_wake(DONE)
+
+
+@cfunc(types.void(types.int64), cache=True)
+def _worker(k):
+    """Thread k's life: wait for a job, run its entries, until GEN goes negative."""
+    seen = _load(_at(GEN))
+    while True:
+        spins = 0
+        g = _load(_at(GEN))
+        while g == seen or g & 1:
+            if spins < SPIN:
+                _pause()
+                spins += 1
+            else:
+                _add(_at(SLEEPERS), 1)
+                if _load(_at(GEN)) == g:
+                    _futex_wait(GEN, g)
+                _add(_at(SLEEPERS), -1)
+            g = _load(_at(GEN))
+        if g < 0:
+            return
+        seen = g
+        _run_entries(g, k)
+        if _load(_at(MOVED + 8 * k)):  # the caller moved this thread to its CPU: back to ours
+            _store(_at(MOVED + 8 * k), 0)
+            _pin(0, k)
+
+
+@njit(nogil=True, cache=True)
+def _rescue(n_threads):
+    """Move each thread that holds an entry but has not run since the last look to the caller's CPU."""
+    cpu = np.zeros(2, np.uint32)
+    _syscall(SYS_GETCPU, cpu.ctypes.data, 0, 0, 0)
+    here = _base(2) + 8 * MASK_WORDS * (MAX_THREADS - 1)  # a scratch mask: the caller's CPU now
+    for j in range(MASK_WORDS):
+        _store(here + 8 * j, 0)
+    c = np.int64(cpu[0])
+    if c >= 64 * MASK_WORDS:
+        return
+    _store(here + 8 * (c // 64), np.int64(1) << (c % 64))
+    for k in range(1, n_threads):
+        if _load(_at(RUNNING + 8 * k)):
+            tid = _load(_at(TIDS + 8 * k))
+            ns = _cpu_ns(tid)
+            if ns == _load(_at(SEEN_CPU + 8 * k)) and not _load(_at(MOVED + 8 * k)):
+                _store(_at(MOVED + 8 * k), 1)
+                _syscall(SYS_SCHED_SETAFFINITY, tid, 8 * MASK_WORDS, here, 0)
+            _store(_at(SEEN_CPU + 8 * k), ns)
+
+
+@cfunc(types.void(types.voidptr, types.voidptr, types.voidptr, types.voidptr, types.voidptr,
+                  types.intp, types.intp, types.intc), cache=True)
+def _parallel_for(fn, args, dims, steps, data, inner_ndim, array_count, num_threads):
+    """Numba's numba_parallel_for: run the schedule's entries (dims[0] of them) on up to num_threads threads."""
+    f, a, d, st, dt = _address(fn), _address(args), _address(dims), _address(steps), _address(data)
+    total = _load(d)
+    n_threads = min(num_threads, _load(_at(NWORK)) + 1)
+    if (n_threads <= 1 or total <= 1 or array_count > SPACE or inner_ndim + 1 > SPACE
+            or not _cas(_at(BUSY), 0, 1)):
+        _call_kernel(f, a, d, st, dt)  # here, alone: the gufunc runs every entry itself
+        return
+    g = _load(_at(GEN))
+    _store(_at(GEN), g + 1)  # odd: being written
+    _store(_at(FN), f)
+    _store(_at(ARGS), a)
+    _store(_at(DIMS), d)
+    _store(_at(STEPS), st)
+    _store(_at(DATA), dt)
+    _store(_at(NARR), array_count)
+    _store(_at(NDIM), inner_ndim)
+    _store(_at(TOTAL), total)
+    _store(_at(NTHREADS), n_threads)
+    _store(_at(DONE), 0)
+    g += 2
+    _store(_at(NEXT), (g & _MASK32) << 32)
+    _add(_at(GEN), 1)  # even: published (sequentially consistent, before SLEEPERS is read)
+    if _load(_at(SLEEPERS)) > 0:
+        _futex_wake(GEN)
+    _run_entries(g, 0)
+    pinned = _load(_at(PIN)) != 0
+    spins = 0
+    done = _load(_at(DONE))
+    while done < total:
+        if spins < SPIN:
+            _pause()
+            spins += 1
+            if pinned and spins % CHECK == 0:
+                _rescue(n_threads)
+        else:
+            _add(_at(WAITING), 1)
+            if _load(_at(DONE)) == done:
+                _futex_wait(DONE, done)
+            _add(_at(WAITING), -1)
+        done = _load(_at(DONE))
+    _store(_at(BUSY), 0)
+
+
+@cfunc(types.intp(), cache=True)
+def _get_thread_id():
+    """Numba's get_thread_id: k for pool thread k, 0 for any other (a caller)."""
+    tid = _syscall(SYS_GETTID, 0, 0, 0, 0)
+    for k in range(1, _load(_at(NWORK)) + 1):
+        if _load(_at(TIDS + 8 * k)) == tid:
+            return k
+    return 0
+
+
+# --- starting and stopping the threads ----------------------------------------------------------------
+
+_threads: list[threading.Thread] = []
+_cpus: list[int] = []
+
+
+def enabled() -> bool:
+    """Whether regions run on the pool: on x86-64 Linux (its system calls), unless GPT2NUMBA_POOL=0."""
+    return (os.environ.get("GPT2NUMBA_POOL", "1") != "0" and sys.platform.startswith("linux")
+            and platform.machine() == "x86_64")
+
+
+def install() -> None:
+    """Route Numba's parallel regions through the pool and start its threads (one fewer than Numba's)."""
+    from numba.np.ufunc import parallel
+
+    try:
+        parallel._launch_threads()  # Numba's layer first, whose symbols ours then replace
+    except Exception:  # no layer loads here: the first parallel kernel will say so, as without the pool
+        return
+    _start()
+    ll.add_symbol("numba_parallel_for", _parallel_for.address)
+    ll.add_symbol("get_thread_id", _get_thread_id.address)
+    atexit.register(_stop)
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def _start() -> None:
+    n = min(numba.config.NUMBA_NUM_THREADS, MAX_THREADS - 1)
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = len(cpus) == n > 1  # pinned only when the threads cover every CPU: else processes would stack
+    _cpus[:] = cpus if pin else []
+    _masks[:] = 0
+    for k, cpu in enumerate(_cpus):
+        _masks[k, cpu // 64] = np.uint64(1) << np.uint64(cpu % 64)
+    run = ctypes.CFUNCTYPE(None, ctypes.c_int64)(_worker.address)
+    started = []
+    for k in range(1, n):
+        ready = threading.Event()
+
+        def body(k=k, ready=ready):
+            _state[TIDS + 8 * k] = threading.get_native_id()
+            if pin:
+                os.sched_setaffinity(0, {cpus[k]})
+            ready.set()
+            run(k)  # ctypes lets the GIL go for the thread's whole life
+
+        t = threading.Thread(target=body, name=f"gpt2numba-pool-{k}", daemon=True)
+        t.start()
+        started.append((t, ready))
+    for t, ready in started:
+        ready.wait()
+        _threads.append(t)
+    _state[PIN] = int(pin)
+    _state[NWORK] = n - 1
+
+
+def _stop() -> None:
+    """Let the threads return (before the interpreter frees what they read)."""
+    _state[NWORK] = 0
+    _state[GEN] = -2
+    _futex_wake_all()
+    for t in _threads:
+        t.join(timeout=1.0)
+    _threads.clear()
+
+
+def _futex_wake_all() -> None:
+    call = ctypes.CDLL(None).syscall
+    call.argtypes = [ctypes.c_long] * 5
+    call(SYS_FUTEX, _state.ctypes.data + 8 * GEN, FUTEX_WAKE, 1 << 30, 0)
+
+
+def _after_fork() -> None:
+    """In a forked child only the forking thread exists: start the pool's threads again."""
+    _threads.clear()
+    _state[:] = 0
+    _start()
+
+
+def describe() -> str:
+    """Where this process's parallel regions run, for reports."""
+    if not enabled():
+        return f"Numba's {numba.threading_layer()} threading layer"
+    n = int(_state[NWORK]) + 1
+    return f"gpt2numba's pool of {n} thread{'s' * (n > 1)}" + (", pinned one to a CPU" if _cpus else "")
+
+
+class pinned:
+    """Pin the calling thread to the first CPU for the block, when the pool pins its threads."""
+
+    def __enter__(self):
+        self.before = None
+        if _cpus and _state[NWORK] and numba.get_num_threads() > 1:
+            before = os.sched_getaffinity(0)
+            try:
+                os.sched_setaffinity(0, {_cpus[0]})
+                self.before = before
+            except OSError:  # the CPU is no longer ours to use: run unpinned
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        if self.before is not None:
+            os.sched_setaffinity(0, self.before)
