@@ -180,6 +180,15 @@ def _futex_wake(word):
 
 
 @njit(nogil=True, cache=True)
+def _sleep_while(word, value, count):
+    """Sleep while ``word`` holds ``value``; ``count`` tells the writer someone is asleep and needs waking."""
+    _add(_at(count), 1)
+    if _load(_at(word)) == value:
+        _futex_wait(word, value)
+    _add(_at(count), -1)
+
+
+@njit(nogil=True, cache=True)
 def _pin(tid, k):
     """Pin thread ``tid`` (0: the calling one) to thread k's CPU."""
     _syscall(SYS_SCHED_SETAFFINITY, tid, 8 * MASK_WORDS, _base(2) + 8 * MASK_WORDS * k, 0)
@@ -234,10 +243,7 @@ def _worker(k):
                 _pause()
                 spins += 1
             else:
-                _add(_at(SLEEPERS), 1)
-                if _load(_at(GEN)) == g:
-                    _futex_wait(GEN, g)
-                _add(_at(SLEEPERS), -1)
+                _sleep_while(GEN, g, SLEEPERS)
             g = _load(_at(GEN))
         if g < 0:
             return
@@ -309,10 +315,7 @@ def _parallel_for(fn, args, dims, steps, data, inner_ndim, array_count, num_thre
             if pinned and spins % CHECK == 0:
                 _rescue(n_threads)
         else:
-            _add(_at(WAITING), 1)
-            if _load(_at(DONE)) == done:
-                _futex_wait(DONE, done)
-            _add(_at(WAITING), -1)
+            _sleep_while(DONE, done, WAITING)
         done = _load(_at(DONE))
     _store(_at(BUSY), 0)
 
@@ -388,16 +391,10 @@ def _stop() -> None:
     """Let the threads return (before the interpreter frees what they read)."""
     _state[NWORK] = 0
     _state[GEN] = -2
-    _futex_wake_all()
+    _futex_wake(GEN)
     for t in _threads:
         t.join(timeout=1.0)
     _threads.clear()
-
-
-def _futex_wake_all() -> None:
-    call = ctypes.CDLL(None).syscall
-    call.argtypes = [ctypes.c_long] * 5
-    call(SYS_FUTEX, _state.ctypes.data + 8 * GEN, FUTEX_WAKE, 1 << 30, 0)
 
 
 def _after_fork() -> None:
