@@ -22,7 +22,7 @@ def test_bench_script(tmp_path):
     write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "bench.py"), "--model", str(tmp_path / "ckpt"),
-                        "--lengths", "4", "16", "--contexts", "4", "--repeat", "2", "--steps", "3",
+                        "--lengths", "4", "16", "--contexts", "4", "--repeat", "2", "--steps", "10",
                         "--bandwidth-mib", "8", "--no-transformers", "--accuracy-prompts", "2",
                         "--no-throughput", "--no-processes", "--idle-patience", "0", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)  # (throughput and the cold start: below)
@@ -30,6 +30,7 @@ def test_bench_script(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["prefill"]) == {"4", "16"} and report["prefill"]["16"]["gpt2numba"]["n"] == 2
     assert report["decode"]["4"]["gpt2numba"]["median_ms"] > 0
+    assert report["decode"]["4"]["gpt2numba int8"]["n"] == 10  # turns of core.RUN steps, the last one short
     assert report["floors"]["read_gb_s"] > 0 and "cold_start" not in report
     assert set(report["decode"]["4"]) >= {"gpt2numba", "gpt2numba bfloat16", "gpt2numba int8"}
     assert report["accuracy"]["int8"]["max_abs_diff_vs_oracle"] < oracle.ATOL_INTEGER

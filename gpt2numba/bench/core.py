@@ -69,7 +69,7 @@ def _work(make, kind, model_dir, threads, conn):
         method, arg, want_logits = msg
         try:
             t = time.perf_counter()
-            out = getattr(system, method)(arg)
+            out = SHARED[method](system, arg) if method in SHARED else getattr(system, method)(arg)
             seconds = time.perf_counter() - t
             greedy = out.argmax(-1).tolist() if isinstance(out, np.ndarray) else out
             conn.send((seconds, greedy, out if want_logits else None))
@@ -192,7 +192,26 @@ def prefill_runs(systems, w, args):
     return results
 
 
+def decode_run(system, job):
+    """``n`` greedy decode steps back to back from ``token``, through system.decode: each step's seconds
+    and its token. job: (token, n)."""
+    token, n = job
+    seconds, tokens = [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        token = int(system.decode(token).argmax())
+        seconds.append(time.perf_counter() - t)
+        tokens.append(token)
+    return seconds, tokens
+
+
+SHARED = {"decode_run": decode_run}  # the worker's calls that every system has, through its decode
+RUN = 8  # decode steps a system runs back to back, as a generation loop does, before the next one's turn
+
+
 def decode_runs(systems, w, args):
+    """Per context: args.steps greedy decode steps per system, in turns of RUN steps (each turn after the
+    others' threads have gone quiet, Remote.call); each step timed on its own."""
     rng = np.random.default_rng(1)
     results = {}
     for context in progress(args.contexts, "decode"):
@@ -202,17 +221,19 @@ def decode_runs(systems, w, args):
         tokens = {s.name: s.call("prefill", ids)[1] for s in systems}
         for s in systems:  # one untimed step each: warm-up
             tokens[s.name] = s.call("decode", tokens[s.name])[1]
-        times = {s.name: [] for s in systems}
+        times, greedy = {s.name: [] for s in systems}, {s.name: [] for s in systems}
         wait_for_idle()
         with Load(*(s.process.pid for s in systems)) as load:
-            for _ in range(args.steps):
+            for done in range(0, args.steps, RUN):
                 for s in systems:
-                    seconds, tokens[s.name], _ = s.call("decode", tokens[s.name])
-                    times[s.name].append(seconds)
+                    seconds, steps = s.call("decode_run", (tokens[s.name], min(RUN, args.steps - done)))[1]
+                    times[s.name] += seconds
+                    greedy[s.name] += steps
+                    tokens[s.name] = steps[-1]
         results[context] = {name: summary(ts) for name, ts in times.items()}
         results[context]["others_cpu"] = load.share
-        if "transformers" in tokens and "gpt2numba" in tokens:
-            results[context]["same_greedy_tokens"] = tokens["gpt2numba"] == tokens["transformers"]
+        if "transformers" in greedy and "gpt2numba" in greedy:
+            results[context]["same_greedy_tokens"] = greedy["gpt2numba"] == greedy["transformers"]
     return results
 
 
