@@ -257,23 +257,33 @@ def _worker(k):
 @njit(nogil=True, cache=True)
 def _rescue(n_threads):
     """Move each thread that holds an entry but has not run since the last look to the caller's CPU."""
-    cpu = np.zeros(2, np.uint32)
-    _syscall(SYS_GETCPU, cpu.ctypes.data, 0, 0, 0)
-    here = _base(2) + 8 * MASK_WORDS * (MAX_THREADS - 1)  # a scratch mask: the caller's CPU now
-    for j in range(MASK_WORDS):
-        _store(here + 8 * j, 0)
-    c = np.int64(cpu[0])
-    if c >= 64 * MASK_WORDS:
-        return
-    _store(here + 8 * (c // 64), np.int64(1) << (c % 64))
+    here = -1  # a scratch mask of the caller's CPU, written when a thread first needs it
     for k in range(1, n_threads):
         if _load(_at(RUNNING + 8 * k)):
             tid = _load(_at(TIDS + 8 * k))
             ns = _cpu_ns(tid)
             if ns == _load(_at(SEEN_CPU + 8 * k)) and not _load(_at(MOVED + 8 * k)):
-                _store(_at(MOVED + 8 * k), 1)
-                _syscall(SYS_SCHED_SETAFFINITY, tid, 8 * MASK_WORDS, here, 0)
+                if here < 0:
+                    here = _caller_mask()
+                if here >= 0:
+                    _store(_at(MOVED + 8 * k), 1)
+                    _syscall(SYS_SCHED_SETAFFINITY, tid, 8 * MASK_WORDS, here, 0)
             _store(_at(SEEN_CPU + 8 * k), ns)
+
+
+@njit(nogil=True, cache=True)
+def _caller_mask():
+    """Address of a mask of the CPU the caller runs on (the masks' last row), or -1 past MASK_WORDS' CPUs."""
+    cpu = np.zeros(2, np.uint32)
+    _syscall(SYS_GETCPU, cpu.ctypes.data, 0, 0, 0)
+    c = np.int64(cpu[0])
+    if c >= 64 * MASK_WORDS:
+        return -1
+    here = _base(2) + 8 * MASK_WORDS * (MAX_THREADS - 1)
+    for j in range(MASK_WORDS):
+        _store(here + 8 * j, 0)
+    _store(here + 8 * (c // 64), np.int64(1) << (c % 64))
+    return here
 
 
 @cfunc(types.void(types.voidptr, types.voidptr, types.voidptr, types.voidptr, types.voidptr,
