@@ -69,7 +69,8 @@ def _work(make, kind, model_dir, threads, conn):
         method, arg, want_logits = msg
         try:
             t = time.perf_counter()
-            out = SHARED[method](system, arg) if method in SHARED else getattr(system, method)(arg)
+            own = getattr(system, method, None)  # a system's own method, else the one every system shares
+            out = own(arg) if own else SHARED[method](system, arg)
             seconds = time.perf_counter() - t
             greedy = out.argmax(-1).tolist() if isinstance(out, np.ndarray) else out
             conn.send((seconds, greedy, out if want_logits else None))
@@ -134,19 +135,6 @@ class Ours:
             tokens[i].append(token)
         return tokens
 
-    def decode_steps(self, job):
-        return decode_steps(self, job)
-
-
-def decode_steps(system, job):
-    """Prefill ``ids``, then ``steps`` greedy decode steps, through system.prefill and system.decode (each
-    returning (vocab,) logits): seconds per step, the prefill untimed. job: (ids, steps)."""
-    ids, steps = job
-    token = int(system.prefill(ids).argmax())
-    t = time.perf_counter()
-    for _ in range(steps):
-        token = int(system.decode(token).argmax())
-    return (time.perf_counter() - t) / steps
 
 
 def gpt2numba_system(dtype, model_dir, threads):
@@ -205,7 +193,15 @@ def decode_run(system, job):
     return seconds, tokens
 
 
-SHARED = {"decode_run": decode_run}  # the worker's calls that every system has, through its decode
+def decode_steps(system, job):
+    """Prefill ``ids``, then ``steps`` greedy decode steps, through system.prefill and system.decode (each
+    returning (vocab,) logits): seconds per step, the prefill untimed. job: (ids, steps)."""
+    ids, steps = job
+    seconds, _ = decode_run(system, (int(system.prefill(ids).argmax()), steps))
+    return sum(seconds) / steps
+
+
+SHARED = {"decode_run": decode_run, "decode_steps": decode_steps}  # every system's, through its prefill and decode
 RUN = 8  # decode steps a system runs back to back, as a generation loop does, before the next one's turn
 
 

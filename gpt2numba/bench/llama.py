@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .core import (Remote, decode_runs, decode_steps, dtype_name, gpt2numba_system, prefill_runs, system_rows,
+from .core import (Remote, decode_runs, dtype_name, gpt2numba_system, prefill_runs, system_rows,
                    versus_float32)
 
 PAIRS = (("float32", "F32"), ("bfloat16", "F16"), ("int8", "Q8_0"), ("int4", "Q4_0"))
@@ -42,9 +42,6 @@ class _Llama:
     def decode(self, token):
         self.model.eval([int(token)])
         return self._logits()
-
-    def decode_steps(self, job):
-        return decode_steps(self, job)
 
 
 def system(kind, gguf_path, threads):
