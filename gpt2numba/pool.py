@@ -231,6 +231,14 @@ def _run_entries(g, k):
             _futex_wake(DONE)
 
 
+@njit(nogil=True, cache=True)
+def _pin_back(k):
+    """If the caller moved thread k to its CPU (_rescue), pin it back to its own."""
+    if _load(_at(MOVED + 8 * k)):
+        _store(_at(MOVED + 8 * k), 0)
+        _pin(0, k)
+
+
 @cfunc(types.void(types.int64), cache=True)
 def _worker(k):
     """Thread k's life: wait for a job, run its entries, until GEN goes negative."""
@@ -248,10 +256,9 @@ def _worker(k):
         if g < 0:
             return
         seen = g
+        _pin_back(k)  # moved after its last look at the end of the previous job
         _run_entries(g, k)
-        if _load(_at(MOVED + 8 * k)):  # the caller moved this thread to its CPU: back to ours
-            _store(_at(MOVED + 8 * k), 0)
-            _pin(0, k)
+        _pin_back(k)
 
 
 @njit(nogil=True, cache=True)
