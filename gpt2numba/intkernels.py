@@ -4,8 +4,9 @@ A product with an integer matrix takes its input rows quantised to int8 per grou
 of GROUP (_quantize_rows). Up to INT_ROWS_MAX rows, _int_rows multiplies int8 by
 int8 (int4 unpacked in registers) into int32, one group at a time, and scales once
 per group; its dot product, _dot_row, is written in LLVM's vector IR so that every
-x86 gets the CPU's 8-bit multiply-add (vpmaddubsw with AVX2, else pmaddwd). More
-rows go to inttiles.py, in tiles of rows and outputs.
+x86 gets the CPU's 8-bit multiply-add (vpmaddubsw with AVX2, else pmaddwd; for int4
+with VNNI, vpdpbusd on the nibbles as stored). More rows go to inttiles.py, in tiles
+of rows and outputs.
 
 Private and unchecked, as kernels.py: callers in forward.py validate.
 """
@@ -111,29 +112,44 @@ _MADD_WIDTH = _madd_width()
 _BYTE_MADD = _MADD_WIDTH == 16 and _GROUP % 32 == 0
 
 
+def _nibble_dpbusd():
+    """LLVM's name of VNNI's 256-bit vpdpbusd, with which _dot_row multiplies int4's nibbles, if the CPU has it."""
+    features = _x86_features() or set()
+    if _GROUP == 32 and ("avxvnni" in features or {"avx512vnni", "avx512vl"} <= features):
+        return "llvm.x86.avx512.vpdpbusd.256"  # AVX-VNNI's encoding where the CPU has no AVX-512
+    return None
+
+
+_NIBBLE_DPBUSD = _nibble_dpbusd()
+
+
 @intrinsic
-def _dot_row(typingctx, w, ws, x, xs):
+def _dot_row(typingctx, w, ws, x, xs, xc):
     """One integer row's dot product with one quantised input row, as float32:
     sum over groups g of (sum over j < GROUP of w_gj * x_gj, in int32) * ws[g] * xs[g].
 
     w: 1-D int8 (K,) or uint8 packed int4 (K // 2,: byte j of a group holds w_j + 8 in
     its low nibble, w_{j+GROUP/2} + 8 in its high one); ws: float32 (K // GROUP,), w's
-    scales; x: int8 (K,) in [-127, 127]; xs: float32 (K // GROUP,). Written as LLVM vector IR: per
-    group, the 8-bit operands are multiplied and summed in fours (_madd_bytes, with AVX2)
-    or, sign-extended, in pairs (_madd_pairs: pmaddwd on x86), the int32 sums converted
-    to float and scaled into a vector accumulator; lanes are summed once per row.
+    scales; x: int8 (K,) in [-127, 127]; xs: float32 (K // GROUP,); xc: int32 (K // 4,), x's
+    sums of four times -8 (_nibble_starts). Written as LLVM vector IR: per group, the
+    8-bit operands are multiplied and summed in fours (_madd_bytes, with AVX2), or in
+    pairs once sign-extended (_madd_pairs: pmaddwd on x86); int4 with VNNI multiplies its
+    nibbles as they are, unsigned (w_j + 8), by x with vpdpbusd, from sums that start at
+    xc, which takes the 8 off. The int32 sums are converted to float and scaled into a vector
+    accumulator; lanes are summed once per row.
     Unchecked: K is a multiple of GROUP, at least GROUP.
     """
     def is_row(a, *dtypes):
         return isinstance(a, types.Array) and a.dtype in dtypes and a.ndim == 1 and a.layout == "C"
 
     if not (is_row(w, types.int8, types.uint8) and is_row(x, types.int8) and is_row(ws, types.float32)
-            and is_row(xs, types.float32)):
+            and is_row(xs, types.float32) and is_row(xc, types.int32)):
         return None
     packed = w.dtype == types.uint8
+    nibbles_vnni = packed and _NIBBLE_DPBUSD is not None
 
     def codegen(context, builder, sig, args):
-        wa, wsa, xa, xsa = (context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args, args))
+        wa, wsa, xa, xsa, xca = (context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args, args))
         i8, i16, i32, f32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType(), ir.IntType(64)
         half = _HALF_GROUP
 
@@ -147,7 +163,7 @@ def _dot_row(typingctx, w, ws, x, xs):
         entry, loop, done = builder.block, builder.append_basic_block("dot_row"), builder.append_basic_block("dot_row_done")
         builder.branch(loop)
         builder.position_at_end(loop)
-        lanes_n = _GROUP // 4 if _BYTE_MADD else half  # int32 sums of a group
+        lanes_n = _GROUP // 4 if _BYTE_MADD or nibbles_vnni else half  # int32 sums of a group
         g = builder.phi(i64)
         acc = builder.phi(vec(f32, lanes_n))
         g.add_incoming(ir.Constant(i64, 0), entry)
@@ -161,7 +177,11 @@ def _dot_row(typingctx, w, ws, x, xs):
         else:
             wv = load(wa.data, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, _GROUP))
         xv = load(xa.data, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, _GROUP))
-        if _BYTE_MADD:
+        if nibbles_vnni:
+            quads = vec(i32, lanes_n)
+            sums = _x86(builder, _NIBBLE_DPBUSD, quads, load(xca.data, builder.mul(g, ir.Constant(i64, lanes_n)), quads),
+                        builder.bitcast(nibbles, quads), builder.bitcast(xv, quads))
+        elif _BYTE_MADD:
             sums = _madd_bytes(builder, wv, xv)
         else:
             sums = _madd_pairs(builder, builder.sext(wv, vec(i16, _GROUP)), builder.sext(xv, vec(i16, _GROUP)))
@@ -182,7 +202,29 @@ def _dot_row(typingctx, w, ws, x, xs):
             lanes = builder.fadd(_lanes(builder, lanes, range(n)), _lanes(builder, lanes, range(n, 2 * n)))
         return builder.extract_element(lanes, ir.Constant(i32, 0))
 
-    return types.float32(w, ws, x, xs), codegen
+    return types.float32(w, ws, x, xs, xc), codegen
+
+
+def _nibble_starts(xq, w):
+    """xc (T, K // 4) int32: -8 times the sums of each row's fours of inputs, where _dot_row starts the sums
+    of int4's nibbles (w + 8) by x with VNNI, so that they come out as the sums of w by x; (T, 0) where
+    _dot_row does not read it."""
+
+
+@overload(_nibble_starts, inline="always")
+def _nibble_starts_typed(xq, w):
+    if not (w.dtype == types.uint8 and _NIBBLE_DPBUSD):
+        return lambda xq, w: np.empty((xq.shape[0], 0), np.int32)
+
+    def starts(xq, w):
+        T, K = xq.shape
+        xc = np.empty((T, K // 4), np.int32)
+        for t in range(T):
+            for j in range(K // 4):
+                xc[t, j] = -8 * (np.int32(xq[t, 4 * j]) + np.int32(xq[t, 4 * j + 1]) + np.int32(xq[t, 4 * j + 2])
+                                 + np.int32(xq[t, 4 * j + 3]))
+        return xc
+    return starts
 
 
 def _widen_group(row, g, s, out):
@@ -243,6 +285,7 @@ def _int_rows(xq, xs, w, scale, b, out, accumulate, n_blocks):
     """
     T = xq.shape[0]
     N = w.shape[0]
+    xc = _nibble_starts(xq, w)
     step = ((N + n_blocks - 1) // n_blocks + 15) // 16 * 16
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
     for _ in prange(n_blocks):
@@ -251,7 +294,7 @@ def _int_rows(xq, xs, w, scale, b, out, accumulate, n_blocks):
             for n in range(min(N, blk * step), min(N, (blk + 1) * step)):
                 row, srow = w[n], scale[n]
                 for t in range(T):
-                    acc = _dot_row(row, srow, xq[t], xs[t])
+                    acc = _dot_row(row, srow, xq[t], xs[t], xc[t])
                     if b is not None:
                         acc += b[n]
                     out[t, n] = out[t, n] + acc if accumulate else acc

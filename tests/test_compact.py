@@ -132,20 +132,22 @@ def test_int_rows(shape, N, n_blocks, accumulate, bias, dtype, seed):
     np.testing.assert_array_equal(fused, out)
 
 
-@given(seed=st.integers(0, 2**32 - 1))
-def test_int_rows_exact_at_the_extremes(seed):
-    """Every byte product and sum exact at the extremes of int8 (-128 included, as a file may hold it): with unit
-    scales the sums are whole numbers below 2^24 that float32 holds, so no tolerance. A product that saturates
-    int16 in pairs, or takes -128's sign wrongly, fails."""
+@given(seed=st.integers(0, 2**32 - 1), dtype=st.sampled_from(INTEGER))
+def test_int_rows_exact_at_the_extremes(seed, dtype):
+    """Every byte product and sum exact at the extremes of int8 (-128 included, as a file may hold it) and of
+    int4 (-8 and 7): with unit scales the sums are whole numbers below 2^24 that float32 holds, so no
+    tolerance. A product that saturates int16 in pairs, takes -128's sign wrongly, or a nibble's 8 off
+    wrongly (int4 with VNNI multiplies w + 8), fails."""
     rng = np.random.default_rng(seed)
     K, N = 4 * compact.GROUP, 6
-    w = rng.choice(np.array([-128, -127, 127, 0, 1], np.int8), (N, K))
-    w[0], w[1] = -128, 127  # a row of each extreme: every pair at its largest
+    low, high = (-128, 127) if dtype == "int8" else (-8, 7)
+    w = rng.choice(np.array([low, low + 1, high, 0, 1], np.int8), (N, K))
+    w[0], w[1] = low, high  # a row of each extreme: every pair at its largest
     xq = rng.choice(np.array([-127, 127, 0, -1], np.int8), (2, K))
     xq[0] = -127
     scale, xs = np.ones((N, K // compact.GROUP), np.float32), np.ones((2, K // compact.GROUP), np.float32)
     out = np.empty((2, N), np.float32)
-    intkernels._int_rows(xq, xs, w, scale, None, out, False, 1)
+    intkernels._int_rows(xq, xs, w if dtype == "int8" else compact.pack(w), scale, None, out, False, 1)
     np.testing.assert_array_equal(out, xq.astype(np.int64) @ w.astype(np.int64).T)
 
 
@@ -228,6 +230,8 @@ def test_integer_kernels_use_the_integer_multiply_add(dtype, kernel):
     assert any(op in asm for op in ("pmaddwd", "vpdpwssd", "vpdpbusd")), f"no 8-bit multiply-add in {kernel}"
     if kernel == "_int_rows" and intkernels._BYTE_MADD:
         assert "vpmaddubsw" in asm, "one row's dot products do not multiply bytes (AVX2's vpmaddubsw)"
+    if kernel == "_int_rows" and dtype == "int4" and intkernels._NIBBLE_DPBUSD:
+        assert "vpdpbusd" in asm, "one row's int4 dot products do not multiply the nibbles with VNNI's vpdpbusd"
     if kernel == "_int_tiles":
         check_tile_loop(tile_loop_report(asm), quads=inttiles.QUADS)
 
@@ -244,31 +248,38 @@ def check_tile_loop(report: dict, quads: bool) -> None:
 _BASE = "+64bit,+sse,+sse2,+sse3,+ssse3,+sse4.1,+sse4.2,+popcnt,+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+lzcnt,+movbe,+cx16"
 VNNI_CPUS = {"icelake-server": _BASE + ",+avx512f,+avx512cd,+avx512bw,+avx512dq,+avx512vl,+avx512vnni",
              "alderlake": _BASE + ",+avxvnni"}
-_COMPILE_TILES = """
+_COMPILE_FOR_VNNI = """
 import json, numba
 from numba import types
-from gpt2numba import inttiles
+from gpt2numba import intkernels, inttiles
 fresh = numba.njit(inttiles._int_tiles.py_func, parallel=True)
 c2 = lambda dtype: types.Array(dtype, 2, "C")
 fresh.compile((c2(numba.from_dtype(inttiles.WIDE)), c2(types.float32), types.int64, c2(types.int8), c2(types.float32), types.none,
                c2(types.float32), types.boolean, types.int64))
-print(json.dumps({"quads": inttiles.QUADS, "lanes": inttiles._LANES, "asm": "\\n".join(fresh.inspect_asm().values())}))
+rows = numba.njit(intkernels._int_rows.py_func, parallel=True)
+rows.compile((c2(types.int8), c2(types.float32), c2(types.uint8), c2(types.float32), types.none, c2(types.float32),
+              types.boolean, types.int64))
+print(json.dumps({"quads": inttiles.QUADS, "lanes": inttiles._LANES, "asm": "\\n".join(fresh.inspect_asm().values()),
+                  "int4_rows": "\\n".join(rows.inspect_asm().values())}))
 """
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="compiles for x86 CPUs")
 @pytest.mark.skipif(bool(os.environ.get("NUMBA_DISABLE_JIT")), reason="compiles")
 @pytest.mark.parametrize("cpu", VNNI_CPUS)
-def test_tiles_use_vnni_where_the_cpu_has_it(cpu, tmp_path):
+def test_integer_kernels_use_vnni_where_the_cpu_has_it(cpu, tmp_path):
     """Compiled for a CPU with VNNI (Numba told to target it; nothing runs), the tiles take their inputs as
     quads of bytes and multiply with vpdpbusd at the CPU's width, with their sums in registers. The same
-    code with the instruction written out is checked against the reference on every CPU (test_int_tiles)."""
+    code with the instruction written out is checked against the reference on every CPU (test_int_tiles).
+    One row's int4 dot products multiply their nibbles with vpdpbusd too (checked against the reference
+    where the CPU running the tests has VNNI: test_int_rows)."""
     env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=VNNI_CPUS[cpu], NUMBA_CACHE_DIR=str(tmp_path))
-    run = subprocess.run([sys.executable, "-c", _COMPILE_TILES], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR_VNNI], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["quads"] and result["lanes"] == (16 if "avx512vnni" in VNNI_CPUS[cpu] else 8)
     check_tile_loop(tile_loop_report(result["asm"]), quads=True)
+    assert "vpdpbusd" in result["int4_rows"].lower(), "one row's int4 dot products do not use vpdpbusd"
 
 
 @given(V=st.integers(1, 1100), C=groups, R=st.integers(1, 4), n_blocks=st.integers(1, 3),
