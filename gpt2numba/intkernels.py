@@ -26,9 +26,9 @@ _HALF_GROUP = _GROUP // 2
 # Zen 3, GPT-2 small's four matrices of a layer in int8, CPU time, medians of 15 alternating runs:
 # 10 rows 5.4 ms against the tiles' 5.9, 12 rows 6.3 against 5.9, 24 rows 12.2 against 9.2).
 # int4 unpacks its nibbles in every dot product, once per panel in the tiles: 2 rows 1.9 ms
-# against 2.9, 4 rows 3.0 against 3.1, 6 rows 4.7 against 4.5, 8 rows 6.5 against 4.7.
+# against 2.9, 4 rows 3.0 against 3.1, 6 rows 4.7 against 4.5, 8 rows 6.5 against 4.7. With VNNI,
+# which multiplies the nibbles as they are, further (INT4_ROWS_MAX below).
 INT_ROWS_MAX = 10
-INT4_ROWS_MAX = 4
 
 
 def _madd_pairs(builder, a, b):
@@ -113,14 +113,21 @@ _BYTE_MADD = _MADD_WIDTH == 16 and _GROUP % 32 == 0
 
 
 def _nibble_dpbusd():
-    """LLVM's name of VNNI's 256-bit vpdpbusd, with which _dot_row multiplies int4's nibbles, if the CPU has it."""
+    """LLVM's names of VNNI's vpdpbusd, with which _dot_row multiplies int4's nibbles, by groups a step (one
+    group's 32 bytes, or two groups' 64 with AVX-512), if the CPU has it."""
     features = _x86_features() or set()
-    if _GROUP == 32 and ("avxvnni" in features or {"avx512vnni", "avx512vl"} <= features):
-        return "llvm.x86.avx512.vpdpbusd.256"  # AVX-VNNI's encoding where the CPU has no AVX-512
-    return None
+    if _GROUP != 32 or not ("avxvnni" in features or {"avx512vnni", "avx512vl"} <= features):
+        return None
+    names = {1: "llvm.x86.avx512.vpdpbusd.256"}  # AVX-VNNI's encoding where the CPU has no AVX-512
+    if "avx512vnni" in features:
+        names[2] = "llvm.x86.avx512.vpdpbusd.512"
+    return names
 
 
 _NIBBLE_DPBUSD = _nibble_dpbusd()
+# (an AMD EPYC with AVX-512 VNNI, 2 threads, GPT-2 small's 12 layers, 2/4/8/12/16 rows, medians of 25
+# alternating runs: 4.5/7.7/13.5/20.3/26.2 ms against the tiles' 22.1/21.9/22.1/23.1/24.9)
+INT4_ROWS_MAX = 12 if _NIBBLE_DPBUSD else 4
 
 
 @intrinsic
@@ -152,6 +159,7 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
         wa, wsa, xa, xsa, xca = (context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args, args))
         i8, i16, i32, f32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType(), ir.IntType(64)
         half = _HALF_GROUP
+        lanes_n = _GROUP // 4 if _BYTE_MADD or nibbles_vnni else half  # int32 sums of a group
 
         def vec(ty, n):
             return ir.VectorType(ty, n)
@@ -159,47 +167,69 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
         def load(ptr, at, ty):
             return builder.load(builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=1)
 
+        def const(ty, n, value):
+            return ir.Constant(vec(ty, n), [value] * n)
+
+        def groups_at(g, per):
+            """The scaled sums of groups g .. g + per - 1, as float32 <per * lanes_n>."""
+            n = per * _GROUP
+            xv = load(xa.data, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, n))
+            if packed:  # each group's low nibbles, then its high ones
+                raw = load(wa.data, builder.mul(g, ir.Constant(i64, half)), vec(i8, n // 2))
+                low, high = builder.and_(raw, const(i8, n // 2, 15)), builder.lshr(raw, const(i8, n // 2, 4))
+                order = [k + j + (n // 2 if j >= half else 0) - (half if j >= half else 0)
+                         for k in range(0, n // 2, half) for j in range(_GROUP)]
+                wv = builder.shuffle_vector(low, high, ir.Constant(vec(i32, n), order))
+            else:
+                wv = load(wa.data, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, n))
+            if nibbles_vnni:
+                quads = vec(i32, per * lanes_n)
+                start = load(xca.data, builder.mul(g, ir.Constant(i64, lanes_n)), quads)
+                sums = _x86(builder, _NIBBLE_DPBUSD[per], quads, start, builder.bitcast(wv, quads), builder.bitcast(xv, quads))
+            else:
+                if packed:
+                    wv = builder.sub(wv, const(i8, n, 8))
+                sums = (_madd_bytes(builder, wv, xv) if _BYTE_MADD
+                        else _madd_pairs(builder, builder.sext(wv, vec(i16, n)), builder.sext(xv, vec(i16, n))))
+            scales = builder.fmul(load(wsa.data, g, vec(f32, per)), load(xsa.data, g, vec(f32, per)))
+            splat = builder.shuffle_vector(scales, scales, ir.Constant(vec(i32, per * lanes_n),
+                                                                       [k for k in range(per) for _ in range(lanes_n)]))
+            return builder.fmul(builder.sitofp(sums, vec(f32, per * lanes_n)), splat, flags=("contract",))
+
+        def steps(first, count, per, acc):
+            """acc + the scaled sums of groups first .. first + per * count - 1, per groups a step."""
+            before = builder.block
+            loop, after = builder.append_basic_block("dot_row"), builder.append_basic_block("dot_row_done")
+            builder.cbranch(builder.icmp_signed(">", count, ir.Constant(i64, 0)), loop, after)
+            builder.position_at_end(loop)
+            i, a = builder.phi(i64), builder.phi(acc.type)
+            i.add_incoming(ir.Constant(i64, 0), before)
+            a.add_incoming(acc, before)
+            g = builder.add(first, builder.mul(i, ir.Constant(i64, per)))
+            step = builder.fadd(a, groups_at(g, per), flags=("contract",))
+            nxt = builder.add(i, ir.Constant(i64, 1))
+            i.add_incoming(nxt, loop)
+            a.add_incoming(step, loop)
+            builder.cbranch(builder.icmp_signed("<", nxt, count), loop, after)
+            builder.position_at_end(after)
+            out = builder.phi(acc.type)
+            out.add_incoming(acc, before)
+            out.add_incoming(step, loop)
+            return out
+
+        def halved(v):
+            n = v.type.count // 2
+            return builder.fadd(_lanes(builder, v, range(n)), _lanes(builder, v, range(n, 2 * n)))
+
         groups = builder.extract_value(wsa.shape, 0)
-        entry, loop, done = builder.block, builder.append_basic_block("dot_row"), builder.append_basic_block("dot_row_done")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        lanes_n = _GROUP // 4 if _BYTE_MADD or nibbles_vnni else half  # int32 sums of a group
-        g = builder.phi(i64)
-        acc = builder.phi(vec(f32, lanes_n))
-        g.add_incoming(ir.Constant(i64, 0), entry)
-        acc.add_incoming(ir.Constant(vec(f32, lanes_n), [0.0] * lanes_n), entry)
-        if packed:
-            raw = load(wa.data, builder.mul(g, ir.Constant(i64, half)), vec(i8, half))
-            low = builder.and_(raw, ir.Constant(vec(i8, half), [15] * half))
-            high = builder.lshr(raw, ir.Constant(vec(i8, half), [4] * half))
-            nibbles = builder.shuffle_vector(low, high, ir.Constant(vec(i32, _GROUP), list(range(_GROUP))))
-            wv = builder.sub(nibbles, ir.Constant(vec(i8, _GROUP), [8] * _GROUP))
-        else:
-            wv = load(wa.data, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, _GROUP))
-        xv = load(xa.data, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, _GROUP))
-        if nibbles_vnni:
-            quads = vec(i32, lanes_n)
-            sums = _x86(builder, _NIBBLE_DPBUSD, quads, load(xca.data, builder.mul(g, ir.Constant(i64, lanes_n)), quads),
-                        builder.bitcast(nibbles, quads), builder.bitcast(xv, quads))
-        elif _BYTE_MADD:
-            sums = _madd_bytes(builder, wv, xv)
-        else:
-            sums = _madd_pairs(builder, builder.sext(wv, vec(i16, _GROUP)), builder.sext(xv, vec(i16, _GROUP)))
-        scale = builder.fmul(load(wsa.data, g, f32), load(xsa.data, g, f32))
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(vec(f32, lanes_n), None), scale,
-                                                              ir.Constant(i32, 0)),
-                                       ir.Constant(vec(f32, lanes_n), None), ir.Constant(vec(i32, lanes_n), [0] * lanes_n))
-        step = builder.fadd(acc, builder.fmul(builder.sitofp(sums, vec(f32, lanes_n)), splat, flags=("contract",)),
-                            flags=("contract",))
-        nxt = builder.add(g, ir.Constant(i64, 1))
-        g.add_incoming(nxt, loop)
-        acc.add_incoming(step, loop)
-        builder.cbranch(builder.icmp_signed("<", nxt, groups), loop, done)
-        builder.position_at_end(done)
-        lanes = step
+        per = 2 if nibbles_vnni and 2 in _NIBBLE_DPBUSD else 1  # groups a step
+        zero = ir.Constant(i64, 0)
+        lanes = steps(zero, builder.sdiv(groups, ir.Constant(i64, per)), per, const(f32, per * lanes_n, 0.0))
+        if per == 2:  # and the last group if their count is odd
+            lanes = steps(builder.sub(groups, ir.Constant(i64, 1)), builder.srem(groups, ir.Constant(i64, 2)), 1,
+                          halved(lanes))
         while lanes.type.count > 1:  # halve the lanes until one is left
-            n = lanes.type.count // 2
-            lanes = builder.fadd(_lanes(builder, lanes, range(n)), _lanes(builder, lanes, range(n, 2 * n)))
+            lanes = halved(lanes)
         return builder.extract_element(lanes, ir.Constant(i32, 0))
 
     return types.float32(w, ws, x, xs, xc), codegen
