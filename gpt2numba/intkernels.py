@@ -126,8 +126,9 @@ def _nibble_dpbusd():
 
 _NIBBLE_DPBUSD = _nibble_dpbusd()
 # (an AMD EPYC with AVX-512 VNNI, 2 threads, GPT-2 small's 12 layers, 2/4/8/12/16 rows, medians of 25
-# alternating runs: 4.5/7.7/13.5/20.3/26.2 ms against the tiles' 22.1/21.9/22.1/23.1/24.9)
-INT4_ROWS_MAX = 12 if _NIBBLE_DPBUSD else 4
+# alternating runs: 4.5/7.7/13.5/20.3/26.2 ms against the tiles' 22.1/21.9/22.1/23.1/24.9; but in
+# decode_batch steps 12 rows were no faster than the tiles: 40.6 and 37.3 ms against 35.1 and 37.6)
+INT4_ROWS_MAX = 8 if _NIBBLE_DPBUSD else 4
 
 
 @intrinsic
