@@ -5,7 +5,7 @@ of GROUP (_quantize_rows). Up to INT_ROWS_MAX rows, _int_rows multiplies int8 by
 int8 (int4 unpacked in registers) into int32, one group at a time, and scales once
 per group; its dot product, _dot_row, is written in LLVM's vector IR so that every
 x86 gets the CPU's 8-bit multiply-add (vpmaddubsw with AVX2, else pmaddwd; for int4
-with VNNI, vpdpbusd on the nibbles as stored). More rows go to inttiles.py, in tiles
+with VNNI, vpdpbusd; int4's nibbles are multiplied as stored). More rows go to inttiles.py, in tiles
 of rows and outputs.
 
 Private and unchecked, as kernels.py: callers in forward.py validate.
@@ -26,8 +26,8 @@ _HALF_GROUP = _GROUP // 2
 # Zen 3, GPT-2 small's four matrices of a layer in int8, CPU time, medians of 15 alternating runs:
 # 10 rows 5.4 ms against the tiles' 5.9, 12 rows 6.3 against 5.9, 24 rows 12.2 against 9.2).
 # int4 unpacks its nibbles in every dot product, once per panel in the tiles: 2 rows 1.9 ms
-# against 2.9, 4 rows 3.0 against 3.1, 6 rows 4.7 against 4.5, 8 rows 6.5 against 4.7. With VNNI,
-# which multiplies the nibbles as they are, further (INT4_ROWS_MAX below).
+# against 2.9, 4 rows 3.0 against 3.1, 6 rows 4.7 against 4.5, 8 rows 6.5 against 4.7. Since its
+# nibbles are multiplied as they are, further (INT4_ROWS_MAX below).
 INT_ROWS_MAX = 10
 
 
@@ -51,25 +51,38 @@ def _madd_pairs(builder, a, b):
         builder.mul(builder.sext(_lanes(builder, a, odd), half), builder.sext(_lanes(builder, b, odd), half)))
 
 
-def _madd_bytes(builder, w, x):
-    """(GROUP/4,) int32: sums of four adjacent products w_j * x_j for (GROUP,) int8 vectors w, x, exactly,
-    for x in [-127, 127] (as _quantize_rows makes it; w may be any int8).
+def _madd_bytes(builder, u, s):
+    """(GROUP/4,) int32: sums of four adjacent products u_j * s_j for (GROUP,) int8 vectors, u read as
+    unsigned, exactly while no two adjacent products sum beyond int16 (_madd_signed_bytes's operands, and
+    int4's nibbles as stored, at most 15, by inputs in [-127, 127]).
 
-    AVX2's vpmaddubsw multiplies unsigned bytes by signed ones and adds adjacent pairs into int16:
-    here |w| (a byte's sign taken off: -128 becomes the unsigned 128) by x with w's sign
-    (vpsignb; x is in [-127, 127], so negating it is exact). A pair is at most 2 x 128 x 127 =
-    32512 and never saturates. vpmaddwd with ones then adds adjacent int16 into int32. Four
-    instructions for GROUP products where _madd_pairs needs six (it widens both operands first).
+    AVX2's vpmaddubsw multiplies unsigned bytes by signed ones and adds adjacent pairs into int16;
+    vpmaddwd with ones then adds adjacent int16 into int32.
     """
     b32, h16, q8 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(32), 8)
     ones = ir.Constant(h16, [1] * 16)
     parts = []
     for k in range(0, _GROUP, 32):
-        wk, xk = _lanes(builder, w, range(k, k + 32)), _lanes(builder, x, range(k, k + 32))
-        pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, _x86(builder, "llvm.x86.avx2.psign.b", b32, wk, wk),
-                     _x86(builder, "llvm.x86.avx2.psign.b", b32, xk, wk))
-        parts.append(_x86(builder, _PMADDWD[16], q8, pairs, ones))
+        uk, sk = _lanes(builder, u, range(k, k + 32)), _lanes(builder, s, range(k, k + 32))
+        parts.append(_x86(builder, _PMADDWD[16], q8, _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, uk, sk), ones))
     return _concat(builder, parts)
+
+
+def _madd_signed_bytes(builder, w, x):
+    """(GROUP/4,) int32: sums of four adjacent products w_j * x_j for (GROUP,) int8 vectors w, x, exactly,
+    for x in [-127, 127] (as _quantize_rows makes it; w may be any int8).
+
+    _madd_bytes on |w| (a byte's sign taken off: -128 becomes the unsigned 128) and x with w's sign
+    (vpsignb; x is in [-127, 127], so negating it is exact). A pair is at most 2 x 128 x 127 = 32512
+    and never saturates. Four instructions for GROUP products where _madd_pairs needs six (it widens
+    both operands first).
+    """
+    b32 = ir.VectorType(ir.IntType(8), 32)
+
+    def sign(v, by):
+        return _concat(builder, [_x86(builder, "llvm.x86.avx2.psign.b", b32, _lanes(builder, v, range(k, k + 32)),
+                                      _lanes(builder, by, range(k, k + 32))) for k in range(0, _GROUP, 32)])
+    return _madd_bytes(builder, sign(w, w), sign(x, w))
 
 
 _PMADDWD = {32: "llvm.x86.avx512.pmaddw.d.512", 16: "llvm.x86.avx2.pmadd.wd", 8: "llvm.x86.sse2.pmadd.wd"}  # by int16 lanes
@@ -125,10 +138,16 @@ def _nibble_dpbusd():
 
 
 _NIBBLE_DPBUSD = _nibble_dpbusd()
+# int4's nibbles multiplied as stored (w + 8, unsigned), from sums that start at -8 times the inputs' fours: with
+# VNNI's vpdpbusd, or AVX2's vpmaddubsw, which then needs neither the 8 taken off nor the signs moved
+_NIBBLES_AS_STORED = _NIBBLE_DPBUSD is not None or _BYTE_MADD
 # (an AMD EPYC with AVX-512 VNNI, 2 threads, GPT-2 small's 12 layers, 2/4/8/12/16 rows, medians of 25
 # alternating runs: 4.5/7.7/13.5/20.3/26.2 ms against the tiles' 22.1/21.9/22.1/23.1/24.9; but in
 # decode_batch steps 12 rows were no faster than the tiles: 40.6 and 37.3 ms against 35.1 and 37.6)
-INT4_ROWS_MAX = 8 if _NIBBLE_DPBUSD else 4
+# With AVX2, nibbles as stored (_madd_bytes): 2/4/6/7/8 rows 7.7/13.3/16.3/17.9/23.2 ms against the tiles'
+# 18.8/17.3/18.2/17.8/21.2 (an AMD EPYC Zen 3, the same matrices by forward's _integer_matmul, medians of 31
+# alternating runs)
+INT4_ROWS_MAX = 8 if _NIBBLE_DPBUSD else 6 if _BYTE_MADD else 4
 
 
 @intrinsic
@@ -140,10 +159,10 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
     its low nibble, w_{j+GROUP/2} + 8 in its high one); ws: float32 (K // GROUP,), w's
     scales; x: int8 (K,) in [-127, 127]; xs: float32 (K // GROUP,); xc: int32 (K // 4,), x's
     sums of four times -8 (_nibble_starts). Written as LLVM vector IR: per group, the
-    8-bit operands are multiplied and summed in fours (_madd_bytes, with AVX2), or in
-    pairs once sign-extended (_madd_pairs: pmaddwd on x86); int4 with VNNI multiplies its
-    nibbles as they are, unsigned (w_j + 8), by x with vpdpbusd, from sums that start at
-    xc, which takes the 8 off. The int32 sums are converted to float and scaled into a vector
+    8-bit operands are multiplied and summed in fours (_madd_signed_bytes, with AVX2), or
+    in pairs once sign-extended (_madd_pairs: pmaddwd on x86); int4 with VNNI or AVX2
+    multiplies its nibbles as they are, unsigned (w_j + 8), by x (vpdpbusd, or _madd_bytes),
+    into sums that start at xc, which takes the 8 off. The int32 sums are converted to float and scaled into a vector
     accumulator; lanes are summed once per row.
     Unchecked: K is a multiple of GROUP, at least GROUP.
     """
@@ -155,12 +174,13 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
         return None
     packed = w.dtype == types.uint8
     nibbles_vnni = packed and _NIBBLE_DPBUSD is not None
+    as_stored = packed and _NIBBLES_AS_STORED
 
     def codegen(context, builder, sig, args):
         wa, wsa, xa, xsa, xca = (context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args, args))
         i8, i16, i32, f32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType(), ir.IntType(64)
         half = _HALF_GROUP
-        lanes_n = _GROUP // 4 if _BYTE_MADD or nibbles_vnni else half  # int32 sums of a group
+        lanes_n = _GROUP // 4 if _BYTE_MADD or as_stored else half  # int32 sums of a group
 
         def vec(ty, n):
             return ir.VectorType(ty, n)
@@ -183,14 +203,15 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
                 wv = builder.shuffle_vector(low, high, ir.Constant(vec(i32, n), order))
             else:
                 wv = load(wa.data, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, n))
-            if nibbles_vnni:
+            if as_stored:
                 quads = vec(i32, per * lanes_n)
                 start = load(xca.data, builder.mul(g, ir.Constant(i64, lanes_n)), quads)
-                sums = _x86(builder, _NIBBLE_DPBUSD[per], quads, start, builder.bitcast(wv, quads), builder.bitcast(xv, quads))
+                sums = (_x86(builder, _NIBBLE_DPBUSD[per], quads, start, builder.bitcast(wv, quads), builder.bitcast(xv, quads))
+                        if nibbles_vnni else builder.add(start, _madd_bytes(builder, wv, xv)))
             else:
                 if packed:
                     wv = builder.sub(wv, const(i8, n, 8))
-                sums = (_madd_bytes(builder, wv, xv) if _BYTE_MADD
+                sums = (_madd_signed_bytes(builder, wv, xv) if _BYTE_MADD
                         else _madd_pairs(builder, builder.sext(wv, vec(i16, n)), builder.sext(xv, vec(i16, n))))
             scales = builder.fmul(load(wsa.data, g, vec(f32, per)), load(xsa.data, g, vec(f32, per)))
             splat = builder.shuffle_vector(scales, scales, ir.Constant(vec(i32, per * lanes_n),
@@ -244,7 +265,7 @@ def _nibble_starts(xq, w):
 
 @overload(_nibble_starts, inline="always")
 def _nibble_starts_typed(xq, w):
-    if not (w.dtype == types.uint8 and _NIBBLE_DPBUSD):
+    if not (w.dtype == types.uint8 and _NIBBLES_AS_STORED):
         return lambda xq, w: np.empty((xq.shape[0], 0), np.int32)
 
     def starts(xq, w):

@@ -137,7 +137,7 @@ def test_int_rows_exact_at_the_extremes(seed, dtype):
     """Every byte product and sum exact at the extremes of int8 (-128 included, as a file may hold it) and of
     int4 (-8 and 7): with unit scales the sums are whole numbers below 2^24 that float32 holds, so no
     tolerance. A product that saturates int16 in pairs, takes -128's sign wrongly, or a nibble's 8 off
-    wrongly (int4 with VNNI multiplies w + 8), fails."""
+    wrongly (int4 with VNNI or AVX2 multiplies w + 8), fails."""
     rng = np.random.default_rng(seed)
     K, N = 4 * compact.GROUP, 6
     low, high = (-128, 127) if dtype == "int8" else (-8, 7)
@@ -232,6 +232,8 @@ def test_integer_kernels_use_the_integer_multiply_add(dtype, kernel):
         assert "vpmaddubsw" in asm, "one row's dot products do not multiply bytes (AVX2's vpmaddubsw)"
     if kernel == "_int_rows" and dtype == "int4" and intkernels._NIBBLE_DPBUSD:
         assert "vpdpbusd" in asm, "one row's int4 dot products do not multiply the nibbles with VNNI's vpdpbusd"
+    if kernel == "_int_rows" and dtype == "int4" and intkernels._NIBBLES_AS_STORED:
+        assert "vpsignb" not in asm, "one row's int4 dot products move signs rather than multiply the nibbles as stored"
     if kernel == "_int_tiles":
         check_tile_loop(tile_loop_report(asm), quads=inttiles.QUADS)
 
