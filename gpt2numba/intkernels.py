@@ -52,7 +52,7 @@ def _madd_pairs(builder, a, b):
 
 
 def _madd_bytes(builder, u, s):
-    """(GROUP/4,) int32: sums of four adjacent products u_j * s_j for (GROUP,) int8 vectors, u read as
+    """(n/4,) int32: sums of four adjacent products u_j * s_j for (n,) int8 vectors, n a multiple of 32, u read as
     unsigned, exactly while no two adjacent products sum beyond int16 (_madd_signed_bytes's operands, and
     int4's nibbles as stored, at most 15, by inputs in [-127, 127]).
 
@@ -62,14 +62,14 @@ def _madd_bytes(builder, u, s):
     b32, h16, q8 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(32), 8)
     ones = ir.Constant(h16, [1] * 16)
     parts = []
-    for k in range(0, _GROUP, 32):
+    for k in range(0, u.type.count, 32):
         uk, sk = _lanes(builder, u, range(k, k + 32)), _lanes(builder, s, range(k, k + 32))
         parts.append(_x86(builder, _PMADDWD[16], q8, _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, uk, sk), ones))
     return _concat(builder, parts)
 
 
 def _madd_signed_bytes(builder, w, x):
-    """(GROUP/4,) int32: sums of four adjacent products w_j * x_j for (GROUP,) int8 vectors w, x, exactly,
+    """(n/4,) int32: sums of four adjacent products w_j * x_j for (n,) int8 vectors w, x, exactly,
     for x in [-127, 127] (as _quantize_rows makes it; w may be any int8).
 
     _madd_bytes on |w| (a byte's sign taken off: -128 becomes the unsigned 128) and x with w's sign
@@ -81,7 +81,7 @@ def _madd_signed_bytes(builder, w, x):
 
     def sign(v, by):
         return _concat(builder, [_x86(builder, "llvm.x86.avx2.psign.b", b32, _lanes(builder, v, range(k, k + 32)),
-                                      _lanes(builder, by, range(k, k + 32))) for k in range(0, _GROUP, 32)])
+                                      _lanes(builder, by, range(k, k + 32))) for k in range(0, v.type.count, 32)])
     return _madd_bytes(builder, sign(w, w), sign(x, w))
 
 
@@ -144,10 +144,10 @@ _NIBBLES_AS_STORED = _NIBBLE_DPBUSD is not None or _BYTE_MADD
 # (an AMD EPYC with AVX-512 VNNI, 2 threads, GPT-2 small's 12 layers, 2/4/8/12/16 rows, medians of 25
 # alternating runs: 4.5/7.7/13.5/20.3/26.2 ms against the tiles' 22.1/21.9/22.1/23.1/24.9; but in
 # decode_batch steps 12 rows were no faster than the tiles: 40.6 and 37.3 ms against 35.1 and 37.6)
-# With AVX2, nibbles as stored (_madd_bytes): 2/4/6/7/8 rows 7.7/13.3/16.3/17.9/23.2 ms against the tiles'
-# 18.8/17.3/18.2/17.8/21.2 (an AMD EPYC Zen 3, the same matrices by forward's _integer_matmul, medians of 31
-# alternating runs)
-INT4_ROWS_MAX = 8 if _NIBBLE_DPBUSD else 6 if _BYTE_MADD else 4
+# With AVX2, nibbles as stored (_madd_bytes), two groups a step: 4/6/7/8 rows 10.5/15.6/17.2/19.7 ms against
+# the tiles' 14.7/19.1/18.5/19.6 (an AMD EPYC Zen 3, the same matrices by forward's _integer_matmul, medians of
+# 31 alternating runs)
+INT4_ROWS_MAX = 8 if _NIBBLE_DPBUSD else 7 if _BYTE_MADD else 4
 
 
 @intrinsic
@@ -162,8 +162,9 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
     8-bit operands are multiplied and summed in fours (_madd_signed_bytes, with AVX2), or
     in pairs once sign-extended (_madd_pairs: pmaddwd on x86); int4 with VNNI or AVX2
     multiplies its nibbles as they are, unsigned (w_j + 8), by x (vpdpbusd, or _madd_bytes),
-    into sums that start at xc, which takes the 8 off. The int32 sums are converted to float and scaled into a vector
-    accumulator; lanes are summed once per row.
+    into sums that start at xc, which takes the 8 off. The int32 sums are converted to float
+    and scaled into vector accumulators, a group's lanes or (AVX2, AVX-512 VNNI) two groups';
+    lanes are summed once per row.
     Unchecked: K is a multiple of GROUP, at least GROUP.
     """
     def is_row(a, *dtypes):
@@ -244,7 +245,9 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
             return builder.fadd(_lanes(builder, v, range(n)), _lanes(builder, v, range(n, 2 * n)))
 
         groups = builder.extract_value(wsa.shape, 0)
-        per = 2 if nibbles_vnni and 2 in _NIBBLE_DPBUSD else 1  # groups a step
+        # groups a step: two, in one 512-bit vpdpbusd, or with AVX2 in two 256-bit sums, each its own chain of
+        # additions (one chain made every group wait for the last one's)
+        per = 2 if (2 in _NIBBLE_DPBUSD if nibbles_vnni else _BYTE_MADD) else 1
         zero = ir.Constant(i64, 0)
         lanes = steps(zero, builder.sdiv(groups, ir.Constant(i64, per)), per, const(f32, per * lanes_n, 0.0))
         if per == 2:  # and the last group if their count is odd
