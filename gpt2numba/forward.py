@@ -239,7 +239,8 @@ def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], h
     work = _workspace(w, N, threads)
     x, h, qkv, a, f = work.x[:N], work.h[:N], work.qkv[:N], work.a[:N], work.f[:N]
     x[...] = _embed(np.concatenate(seqs), np.repeat(pos0 - row0[:-1], counts) + np.arange(N), w)
-    ks, vs = typed.List([mc._k for mc in caches]), typed.List([mc._v for mc in caches])  # as stored
+    ks, vs = ((caches[0]._k, caches[0]._v) if B == 1  # as stored; one sequence's arrays need no list (_cache_of)
+              else (typed.List([mc._k for mc in caches]), typed.List([mc._v for mc in caches])))
     half = caches[0].dtype == "float16"  # (for uint16 caches: float16 bits, else bfloat16)
     written = np.repeat(pos0[:, None], cfg.n_layer, axis=1)  # (B, n_layer) positions each layer holds
     tiles, bounds = _attention_plan(row0, pos0, cfg.n_head, chunks)
