@@ -5,8 +5,8 @@ of GROUP (_quantize_rows). Up to INT_ROWS_MAX rows, _int_rows multiplies int8 by
 int8 (int4 unpacked in registers) into int32, one group at a time, and scales once
 per group; its dot product, _dot_row, is written in LLVM's vector IR so that every
 x86 gets the CPU's 8-bit multiply-add (vpmaddubsw with AVX2, else pmaddwd; for int4
-with VNNI, vpdpbusd; int4's nibbles are multiplied as stored). More rows go to inttiles.py, in tiles
-of rows and outputs.
+with VNNI, vpdpbusd; with either, int4's nibbles are multiplied as stored). More rows go to
+inttiles.py, in tiles of rows and outputs.
 
 Private and unchecked, as kernels.py: callers in forward.py validate.
 """
@@ -26,8 +26,8 @@ _HALF_GROUP = _GROUP // 2
 # Zen 3, GPT-2 small's four matrices of a layer in int8, CPU time, medians of 15 alternating runs:
 # 10 rows 5.4 ms against the tiles' 5.9, 12 rows 6.3 against 5.9, 24 rows 12.2 against 9.2).
 # int4 unpacks its nibbles in every dot product, once per panel in the tiles: 2 rows 1.9 ms
-# against 2.9, 4 rows 3.0 against 3.1, 6 rows 4.7 against 4.5, 8 rows 6.5 against 4.7. Since its
-# nibbles are multiplied as they are, further (INT4_ROWS_MAX below).
+# against 2.9, 4 rows 3.0 against 3.1, 6 rows 4.7 against 4.5, 8 rows 6.5 against 4.7. Where its
+# nibbles are multiplied as they are (VNNI, AVX2), further (INT4_ROWS_MAX below).
 INT_ROWS_MAX = 10
 
 
