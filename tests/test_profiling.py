@@ -103,6 +103,23 @@ def test_profile_step_script(tmp_path):
     assert "beside a busy loop at nice 10" in r.stdout and "nice 10, workers" in r.stdout
 
 
+def test_matrix_rate_script(tmp_path):
+    """profiling/matrix_rate.py on a tiny model: a time, a rate and a ratio to float32 per format and number of
+    rows, through the rows kernels (3 rows) and the tiles and BLAS (12)."""
+    write_dir(g.random_weights(TINY, seed=0), tmp_path)
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "matrix_rate.py"), "--model", str(tmp_path),
+                        "--rows", "3", "12", "--repeat", "2", "--dtypes", "float32", "bfloat16", "int8", "int4",
+                        "--idle-patience", "0"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines()[2:]]
+    dtypes = ("float32", "bfloat16", "int8", "int4")
+    assert [(n, d) for n, d, *_ in rows] == [(n, d) for n in ("3", "12") for d in dtypes]
+    for _, dtype, ms, rate, ratio, _ in rows:
+        assert float(ms) > 0 and float(rate) > 0 and float(ratio.rstrip("x")) > 0
+        assert dtype != "float32" or ratio == "1.00x"
+    assert "n_embd 128" in r.stdout and "integer tiles multiply with" in r.stdout
+
+
 def _bench_throughput(tmp_path, *extra):
     """The benchmark with only its throughput section worth the name, on the tiny checkpoint (64 positions)."""
     write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
