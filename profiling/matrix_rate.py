@@ -1,6 +1,6 @@
 """How fast each format multiplies a layer's matrices by many rows, on this machine.
 
-    python profiling/matrix_rate.py [--rows 32 128 512] [--repeat 9] [--dtypes float32 int8 int4] [--model DIR]
+    python profiling/matrix_rate.py [--rows 8 32 128 512] [--repeat 9] [--dtypes float32 int8 int4] [--model DIR]
 
 The products go through forward._matmul, as a pass runs them (one pinned thread pool, BLAS
 on one thread inside it), so each format takes the kernel a pass picks at that many rows:
@@ -46,7 +46,7 @@ def products(w, rows, threads):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs="+", default=[32, 128, 512])
+    p.add_argument("--rows", type=int, nargs="+", default=[8, 32, 128, 512])
     p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--dtypes", nargs="+", default=["float32", "int8", "int4"], choices=compact.DTYPES)
     p.add_argument("--model", help="a checkpoint directory (default: GPT-2 small's shapes, random weights)")
