@@ -173,12 +173,13 @@ def _rows_max() -> tuple[int, int]:
     Numba compiles for: BLAS repacks the weights for so few rows, and bfloat16 must first widen them.
     Measured on 2 cores, GPT-2 small's matrices, decode_batch steps: with AVX-512 (an AMD EPYC) the kernel
     won up to 64 rows; with AVX2 only (an AMD EPYC, Zen 3), BLAS was level from 10 to 16 rows of float32
-    and 1.26-1.43x faster from 24 to 64, while bfloat16 held level to 32 (BLAS 1.24x faster at 64).
-    Off x86, unmeasured: 64, as before."""
+    and 1.26-1.43x faster from 24 to 64. bfloat16 widened for BLAS took, in the kernel's time (the same
+    Zen 3, steps at context 128, medians of 13 alternating, in two processes): 1.07x and 1.01x at 20
+    rows, 0.95x and 0.93x at 24, 0.85x and 0.86x at 32. Off x86, unmeasured: 64, as before."""
     features = _x86_features()
     if features is None or "avx512f" in features:
         return 64, 64
-    return 16, 32
+    return 16, 20
 
 
 ROWS_MAX, BF16_ROWS_MAX = _rows_max()
