@@ -88,8 +88,11 @@ def _sum_partials(partial, i, b, out, accumulate):
 
 # Up to this many rows, _head_rows beats the head's BLAS products and the compact
 # heads' widened chunks (measured on 2 cores, GPT-2 small: 1.6x at 8 rows in float32,
-# 2.2x in bfloat16).
-HEAD_ROWS_MAX = 16
+# 2.2x in bfloat16). With AVX2 only (an AMD EPYC, Zen 3; medians of 11 alternating, two
+# runs) it still won at 20 rows (1.22x and 1.48x in float32, 1.16x and 1.19x in bfloat16)
+# and was level at 24 (a decode_batch step of 20 sequences: 0.96-0.99x the time in float32,
+# 0.97-1.03x in bfloat16); above 16 rows with AVX-512, unmeasured.
+HEAD_ROWS_MAX = 20 if _x86_features() is not None and "avx512f" not in _x86_features() else 16
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
