@@ -14,6 +14,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from . import inttiles
+from .blas import _gemm
 from .chunks import _claim
 from .intkernels import _widen_group
 from .kernels import FASTMATH, ROW_CHUNKS, SERIAL_ROWS, _as_float32, _exp_inplace, _x86_features
@@ -42,7 +43,10 @@ def _linear(x, w, b, scratch, out, accumulate, n_blocks, split_k):
                 lo = min(K, blk * step)
                 hi = min(K, lo + step)
                 if lo < hi:
-                    np.dot(x[:, lo:hi].copy(), w[lo:hi], partial[blk])
+                    if T == 1:  # Numba's np.dot: its OpenBLAS takes one row as a matrix-vector product
+                        np.dot(x[:, lo:hi].copy(), w[lo:hi], partial[blk])
+                    else:
+                        _gemm(x[:, lo:hi], w[lo:hi], partial[blk], False)
                 else:
                     partial[blk] = 0.0
                 blk = _claim(nxt)
@@ -68,7 +72,7 @@ def _linear(x, w, b, scratch, out, accumulate, n_blocks, split_k):
                 lo = min(T, blk * step)
                 hi = min(T, lo + step)
                 if lo < hi:
-                    np.dot(x[lo:hi], w, product[lo:hi])
+                    _gemm(x[lo:hi], w, product[lo:hi], False)
                     for i in range(lo, hi):
                         for j in range(N):
                             s = product[i, j] + b[j]
@@ -367,7 +371,7 @@ def _head_scores_typed(wte, scale, inputs, c0, c1, work, chunk):
 
     def dense(wte, scale, inputs, c0, c1, work, chunk):
         _widen_rows(wte, scale, c0, c1, work)
-        np.dot(inputs, work[: c1 - c0].T, chunk)
+        _gemm(inputs, work[: c1 - c0], chunk, True)
     return dense
 
 
@@ -437,7 +441,7 @@ def _chunk_scores(h, dense, c0, c1, scores, out):
     """out[:, c0:c1] = h @ dense[:c1 - c0].T: one chunk of the head over several rows.
     h: (R, C); dense: (HEAD_CHUNK, C) widened wte rows; scores: flat scratch of R * HEAD_CHUNK."""
     chunk = scores[: h.shape[0] * (c1 - c0)].reshape(h.shape[0], c1 - c0)
-    np.dot(h, dense[: c1 - c0].T, chunk)
+    _gemm(h, dense[: c1 - c0], chunk, True)
     out[:, c0:c1] = chunk
 
 
