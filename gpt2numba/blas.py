@@ -8,7 +8,8 @@ the symbol SYMBOL, NumPy's cblas_sgemm (64-bit integers) when it can be found, a
 otherwise _fallback, a C-callable shim over Numba's np.dot. The symbol is resolved when a
 compiled kernel is loaded, so the kernels' on-disk cache stays valid either way.
 
-One row is not for _gemm: NumPy's OpenBLAS multiplies it as a matrix (a float32 decode step
+Its callers: _linear (float32, and bfloat16 widened), the heads' BLAS chunks and attention's
+tiles of queries. One row is not for _gemm: NumPy's OpenBLAS multiplies it as a matrix (a float32 decode step
 took 1.2-1.6x the time), where Numba's np.dot reaches a matrix-vector product.
 
 Private and unchecked, as the kernels: callers pass float32 arrays whose rows are contiguous.

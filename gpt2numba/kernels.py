@@ -26,6 +26,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from .blas import _gemm
 from .chunks import _claim
 
 # LLVM fast-math minus nnan/ninf: reassociation lets reductions vectorise, while
@@ -315,7 +316,7 @@ def _scores_typed(q, cache, layer, h, n, dense, s, half):
     if cache.dtype == types.float32:
         def blas(q, cache, layer, h, n, dense, s, half):
             if q.shape[0] > 1:
-                np.dot(q, cache[layer, h, :n].T, s)
+                _gemm(q, cache[layer, h, :n], s, True)
                 return
             keys = cache[layer, h]  # one query (a decode step): a loop costs less than a BLAS call
             for t in range(n):
@@ -326,7 +327,10 @@ def _scores_typed(q, cache, layer, h, n, dense, s, half):
         return blas
 
     def from_bits(q, cache, layer, h, n, dense, s, half):
-        np.dot(q, _widened(cache, layer, h, n, dense, half).T, s)
+        if q.shape[0] > 1:
+            _gemm(q, _widened(cache, layer, h, n, dense, half), s, True)
+        else:  # one row: Numba's np.dot (blas.py)
+            np.dot(q, _widened(cache, layer, h, n, dense, half).T, s)
     return from_bits
 
 
@@ -335,7 +339,7 @@ def _weighted_typed(s, cache, layer, h, n, dense, out, half):
     if cache.dtype == types.float32:
         def blas(s, cache, layer, h, n, dense, out, half):
             if s.shape[0] > 1:
-                np.dot(s, cache[layer, h, :n], out)
+                _gemm(s, cache[layer, h, :n], out, False)
                 return
             values = cache[layer, h]  # one query, as in _scores
             out[0, :] = 0.0
@@ -346,7 +350,10 @@ def _weighted_typed(s, cache, layer, h, n, dense, out, half):
         return blas
 
     def from_bits(s, cache, layer, h, n, dense, out, half):
-        np.dot(s, _widened(cache, layer, h, n, dense, half), out)
+        if s.shape[0] > 1:
+            _gemm(s, _widened(cache, layer, h, n, dense, half), out, False)
+        else:
+            np.dot(s, _widened(cache, layer, h, n, dense, half), out)
     return from_bits
 
 
