@@ -90,15 +90,6 @@ def _sum_partials(partial, i, b, out, accumulate):
         out[i, j] = out[i, j] + s if accumulate else s
 
 
-# Up to this many rows, _head_rows beats the head's BLAS products and the compact
-# heads' widened chunks (measured on 2 cores, GPT-2 small: 1.6x at 8 rows in float32,
-# 2.2x in bfloat16). With AVX2 only (an AMD EPYC, Zen 3; medians of 11 alternating, two
-# runs) it still won at 20 rows (1.22x and 1.48x in float32, 1.16x and 1.19x in bfloat16)
-# and was level at 24 (a decode_batch step of 20 sequences: 0.96-0.99x the time in float32,
-# 0.97-1.03x in bfloat16); above 16 rows with AVX-512, unmeasured.
-HEAD_ROWS_MAX = 20 if _x86_features() is not None and "avx512f" not in _x86_features() else 16
-
-
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _head_rows(wte, h, out, n_blocks):
     """Tied output head for a few rows: out = h @ W.T, W = widen(wte), read as stored.
@@ -175,21 +166,26 @@ def _rows_update(x, t, u, k, w, lo, hi, a, b):
         b[j] += ((y0 * v0 + y1 * v1) + (y2 * v2 + y3 * v3)) + ((y4 * v4 + y5 * v5) + (y6 * v6 + y7 * v7))
 
 
-def _rows_max() -> tuple[int, int]:
-    """Up to how many rows _linear_rows beats single-threaded BLAS blocks, (float32, bfloat16), for the CPU
-    Numba compiles for: BLAS repacks the weights for so few rows, and bfloat16 must first widen them.
+def _rows_max() -> tuple[int, int, int]:
+    """Up to how many rows _linear_rows beats single-threaded BLAS blocks, (float32, bfloat16), and _head_rows
+    the head's BLAS products and the compact heads' widened chunks, for the CPU Numba compiles for: BLAS
+    repacks the weights for so few rows, and bfloat16 must first widen them.
     Measured on 2 cores, GPT-2 small's matrices, decode_batch steps: with AVX-512 (an AMD EPYC) the kernel
     won up to 64 rows; with AVX2 only (an AMD EPYC, Zen 3), BLAS was level from 10 to 16 rows of float32
     and 1.26-1.43x faster from 24 to 64. bfloat16 widened for BLAS took, in the kernel's time (the same
     Zen 3, steps at context 128, medians of 13 alternating, in two processes): 1.07x and 1.01x at 20
-    rows, 0.95x and 0.93x at 24, 0.85x and 0.86x at 32. Off x86, unmeasured: 64, as before."""
+    rows, 0.95x and 0.93x at 24, 0.85x and 0.86x at 32. Off x86, unmeasured: 64, as before.
+    The head by rows (2 cores, GPT-2 small): 1.6x faster at 8 rows in float32, 2.2x in bfloat16. With AVX2
+    only (the same Zen 3; medians of 11 alternating, two runs) it still won at 20 rows (1.22x and 1.48x in
+    float32, 1.16x and 1.19x in bfloat16) and was level at 24 (a decode_batch step of 20 sequences:
+    0.96-0.99x the time in float32, 0.97-1.03x in bfloat16); above 16 rows with AVX-512, unmeasured."""
     features = _x86_features()
     if features is None or "avx512f" in features:
-        return 64, 64
-    return 16, 20
+        return 64, 64, 16
+    return 16, 20, 20
 
 
-ROWS_MAX, BF16_ROWS_MAX = _rows_max()
+ROWS_MAX, BF16_ROWS_MAX, HEAD_ROWS_MAX = _rows_max()
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
