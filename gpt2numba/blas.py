@@ -4,13 +4,14 @@ Numba's np.dot calls the BLAS that SciPy bundles; NumPy's wheels bundle another 
 which can be faster on the few rows of a batch step: on an AMD EPYC (Zen 3), SciPy 1.17.1's
 (OpenBLAS 0.3.30) took 1.4x the time of NumPy 2.4's (0.3.31) for 32 rows by GPT-2's
 768 x 3072 on one thread, 1.13x for 128 rows, 1.04x for 512. So _gemm calls, through
-the symbol SYMBOL, NumPy's cblas_sgemm (64-bit integers) when it can be found, and
-otherwise _fallback, a C-callable shim over Numba's np.dot. The symbol is resolved when a
-compiled kernel is loaded, so the kernels' on-disk cache stays valid either way.
+the symbols SGEMM and SGEMV, NumPy's cblas_sgemm and cblas_sgemv (64-bit integers) when
+they can be found, and otherwise _fallback_gemm and _fallback_gemv, C-callable shims over
+Numba's np.dot. The symbols are resolved when a compiled kernel is loaded, so the kernels'
+on-disk cache stays valid either way. One row goes to sgemv: sgemm multiplies it as a
+matrix (a float32 decode step took 1.2-1.6x the time).
 
-Its callers: _linear (float32, and bfloat16 widened), the heads' BLAS chunks and attention's
-tiles of queries. One row is not for _gemm: NumPy's OpenBLAS multiplies it as a matrix (a float32 decode step
-took 1.2-1.6x the time), where Numba's np.dot reaches a matrix-vector product.
+Its callers: _linear (float32, and bfloat16 widened), the heads, and attention over a
+compact cache or over tiles of queries.
 
 Private and unchecked, as the kernels: callers pass float32 arrays whose rows are contiguous.
 """
@@ -23,19 +24,21 @@ from llvmlite import ir
 from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
-SYMBOL = "gpt2numba_cblas_sgemm"
+SGEMM, SGEMV = "gpt2numba_cblas_sgemm", "gpt2numba_cblas_sgemv"
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS's enums
+_f32p = types.CPointer(types.float32)
 
 # cblas_sgemm with 64-bit integers (OpenBLAS's ILP64 build): order, trans_a, trans_b, M, N, K, alpha, A, lda,
 # B, ldb, beta, C, ldc
-_SIGNATURE = types.void(types.int32, types.int32, types.int32, types.int64, types.int64, types.int64,
-                        types.float32, types.CPointer(types.float32), types.int64,
-                        types.CPointer(types.float32), types.int64, types.float32,
-                        types.CPointer(types.float32), types.int64)
+_GEMM = types.void(types.int32, types.int32, types.int32, types.int64, types.int64, types.int64,
+                   types.float32, _f32p, types.int64, _f32p, types.int64, types.float32, _f32p, types.int64)
+# cblas_sgemv: order, trans, M, N, alpha, A, lda, X, incX, beta, Y, incY
+_GEMV = types.void(types.int32, types.int32, types.int64, types.int64, types.float32, _f32p, types.int64,
+                   _f32p, types.int64, types.float32, _f32p, types.int64)
 
 
-@cfunc(_SIGNATURE, cache=True)
-def _fallback(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc):
+@cfunc(_GEMM, cache=True)
+def _fallback_gemm(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc):
     """cblas_sgemm for what _gemm asks (row-major, A not transposed, alpha 1, beta 0), by Numba's np.dot."""
     a = carray(A, (M, lda))[:, :K].copy()
     if trans_b == _TRANS:
@@ -46,8 +49,18 @@ def _fallback(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, 
     c[:, :N] = np.dot(a, b)
 
 
-def _numpy_sgemm():
-    """The address of cblas_sgemm in NumPy's bundled OpenBLAS (64-bit integers), or None."""
+@cfunc(_GEMV, cache=True)
+def _fallback_gemv(order, trans, M, N, alpha, A, lda, X, incx, beta, Y, incy):
+    """cblas_sgemv for what _gemm asks (row-major, alpha 1, beta 0, unit increments), by Numba's np.dot."""
+    a = carray(A, (M, lda))[:, :N].copy()
+    if trans == _TRANS:
+        carray(Y, N)[:] = np.dot(carray(X, M).copy(), a)
+    else:
+        carray(Y, M)[:] = np.dot(a, carray(X, N).copy())
+
+
+def _numpy_blas():
+    """The addresses of cblas_sgemm and cblas_sgemv in NumPy's bundled OpenBLAS (64-bit integers), or None."""
     from threadpoolctl import threadpool_info
 
     for lib in threadpool_info():
@@ -57,45 +70,81 @@ def _numpy_sgemm():
             handle = ctypes.CDLL(lib["filepath"])
         except OSError:
             continue
-        for name in ("scipy_cblas_sgemm64_", "cblas_sgemm64_"):  # NumPy >= 2's wheels, then older ILP64 ones
-            if hasattr(handle, name):
-                return ctypes.cast(getattr(handle, name), ctypes.c_void_p).value
+        for prefix, suffix in (("scipy_", "64_"), ("", "64_")):  # NumPy >= 2's wheels, then older ILP64 ones
+            names = [f"{prefix}cblas_{name}{suffix}" for name in ("sgemm", "sgemv")]
+            if all(hasattr(handle, name) for name in names):
+                return tuple(ctypes.cast(getattr(handle, name), ctypes.c_void_p).value for name in names)
     return None
 
 
-_NUMPY_SGEMM = _numpy_sgemm()
-NUMPY_BLAS = _NUMPY_SGEMM is not None  # whether _gemm goes to NumPy's OpenBLAS
-ll.add_symbol(SYMBOL, _NUMPY_SGEMM or _fallback.address)
+_NUMPY = _numpy_blas()
+NUMPY_BLAS = _NUMPY is not None  # whether _gemm goes to NumPy's OpenBLAS
+ll.add_symbol(SGEMM, _NUMPY[0] if _NUMPY else _fallback_gemm.address)
+ll.add_symbol(SGEMV, _NUMPY[1] if _NUMPY else _fallback_gemv.address)
+
+
+def _call(builder, symbol, signature, args):
+    """A call of the C function at ``symbol`` (types as ``signature``, a Numba signature of ints, floats and
+    float pointers), with these LLVM values: integers cast to the width, addresses (intp) to pointers."""
+    f32 = ir.FloatType()
+    params = [f32.as_pointer() if isinstance(t, types.CPointer) else f32 if t == types.float32
+              else ir.IntType(t.bitwidth) for t in signature.args]
+    fn = builder.module.globals.get(symbol) or ir.Function(builder.module, ir.FunctionType(ir.VoidType(), params),
+                                                           symbol)
+    cast = []
+    for ty, v in zip(params, args):
+        if isinstance(ty, ir.PointerType):
+            v = builder.inttoptr(v, ty)
+        elif isinstance(ty, ir.IntType) and v.type.width > ty.width:
+            v = builder.trunc(v, ty)
+        cast.append(v)
+    builder.call(fn, cast)
 
 
 @intrinsic
 def _cblas_sgemm(typingctx, trans_b, M, N, K, a, lda, b, ldb, c, ldc):
-    """C[:M, :N] = A @ op(B), row-major, by the function at SYMBOL; a, b, c: data addresses (intp)."""
+    """C[:M, :N] = A @ op(B), row-major, by the function at SGEMM; a, b, c: data addresses (intp)."""
     def codegen(context, builder, sig, args):
-        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
-        ptr = f32.as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [i32, i32, i32, i64, i64, i64, f32, ptr, i64, ptr, i64, f32, ptr, i64])
-        fn = builder.module.globals.get(SYMBOL) or ir.Function(builder.module, fnty, SYMBOL)
         tb, m, n, k, av, la, bv, lb, cv, lc = args
-        builder.call(fn, [ir.Constant(i32, _ROW_MAJOR), ir.Constant(i32, _NO_TRANS),
-                          builder.trunc(tb, i32), m, n, k, ir.Constant(f32, 1.0), builder.inttoptr(av, ptr), la,
-                          builder.inttoptr(bv, ptr), lb, ir.Constant(f32, 0.0), builder.inttoptr(cv, ptr), lc])
+        one, zero, i64 = ir.Constant(ir.FloatType(), 1.0), ir.Constant(ir.FloatType(), 0.0), ir.IntType(64)
+        _call(builder, SGEMM, _GEMM, [ir.Constant(i64, _ROW_MAJOR), ir.Constant(i64, _NO_TRANS), tb, m, n, k,
+                                      one, av, la, bv, lb, zero, cv, lc])
         return context.get_dummy_value()
 
     return types.void(types.int64, types.int64, types.int64, types.int64, types.intp, types.int64, types.intp,
                       types.int64, types.intp, types.int64), codegen
 
 
+@intrinsic
+def _cblas_sgemv(typingctx, trans, M, N, a, lda, x, y):
+    """y = op(A) @ x, A (M, N) row-major, x and y contiguous, by the function at SGEMV; a, x, y: addresses."""
+    def codegen(context, builder, sig, args):
+        tr, m, n, av, la, xv, yv = args
+        one, zero, i64 = ir.Constant(ir.FloatType(), 1.0), ir.Constant(ir.FloatType(), 0.0), ir.IntType(64)
+        unit = ir.Constant(i64, 1)
+        _call(builder, SGEMV, _GEMV, [ir.Constant(i64, _ROW_MAJOR), tr, m, n, one, av, la, xv, unit, zero, yv, unit])
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64, types.int64, types.intp, types.int64, types.intp, types.intp), codegen
+
+
 @njit(cache=True, nogil=True)
 def _gemm(a, b, out, b_transposed):
     """out = a @ b, or a @ b.T when ``b_transposed``: float32 2-D arrays whose rows are contiguous
-    (slices of rows and of columns are fine); out (M, N) with a (M, K) and b (K, N), or (N, K)."""
+    (slices of rows and of columns are fine); out (M, N) with a (M, K) and b (K, N), or (N, K).
+    One row is a matrix-vector product."""
     M, K = a.shape
     N = out.shape[1]
     if M == 0 or N == 0:
         return
     if K == 0:
         out[:] = 0.0
+        return
+    if M == 1:
+        if b_transposed:  # out = b @ a[0]
+            _cblas_sgemv(_NO_TRANS, N, K, b.ctypes.data, b.strides[0] // 4, a.ctypes.data, out.ctypes.data)
+        else:  # out = b.T @ a[0]
+            _cblas_sgemv(_TRANS, K, N, b.ctypes.data, b.strides[0] // 4, a.ctypes.data, out.ctypes.data)
         return
     _cblas_sgemm(_TRANS if b_transposed else _NO_TRANS, M, N, K, a.ctypes.data, a.strides[0] // 4,
                  b.ctypes.data, b.strides[0] // 4, out.ctypes.data, out.strides[0] // 4)

@@ -327,10 +327,7 @@ def _scores_typed(q, cache, layer, h, n, dense, s, half):
         return blas
 
     def from_bits(q, cache, layer, h, n, dense, s, half):
-        if q.shape[0] > 1:
-            _gemm(q, _widened(cache, layer, h, n, dense, half), s, True)
-        else:  # one row: Numba's np.dot (blas.py)
-            np.dot(q, _widened(cache, layer, h, n, dense, half).T, s)
+        _gemm(q, _widened(cache, layer, h, n, dense, half), s, True)
     return from_bits
 
 
@@ -350,10 +347,7 @@ def _weighted_typed(s, cache, layer, h, n, dense, out, half):
         return blas
 
     def from_bits(s, cache, layer, h, n, dense, out, half):
-        if s.shape[0] > 1:
-            _gemm(s, _widened(cache, layer, h, n, dense, half), out, False)
-        else:
-            np.dot(s, _widened(cache, layer, h, n, dense, half), out)
+        _gemm(s, _widened(cache, layer, h, n, dense, half), out, False)
     return from_bits
 
 

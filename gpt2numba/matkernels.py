@@ -43,10 +43,7 @@ def _linear(x, w, b, scratch, out, accumulate, n_blocks, split_k):
                 lo = min(K, blk * step)
                 hi = min(K, lo + step)
                 if lo < hi:
-                    if T == 1:  # Numba's np.dot: its OpenBLAS takes one row as a matrix-vector product
-                        np.dot(x[:, lo:hi].copy(), w[lo:hi], partial[blk])
-                    else:
-                        _gemm(x[:, lo:hi], w[lo:hi], partial[blk], False)
+                    _gemm(x[:, lo:hi], w[lo:hi], partial[blk], False)
                 else:
                     partial[blk] = 0.0
                 blk = _claim(nxt)
@@ -235,8 +232,8 @@ def _head(wte, h, out, n_blocks):
         blk = _claim(nxt)
         while blk < n_blocks:
             lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
-            if R == 1 and lo < hi:
-                np.dot(wte[lo:hi], h[0], out[0, lo:hi])
+            if R == 1:
+                _gemm(h, wte[lo:hi], out[:, lo:hi], True)
             elif R > 1:
                 for c0 in range(lo, hi, HEAD_CHUNK):
                     _chunk_scores(h, wte[c0:], c0, min(hi, c0 + HEAD_CHUNK), scores, out)
