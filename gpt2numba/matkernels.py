@@ -167,19 +167,21 @@ def _rows_max() -> tuple[int, int, int]:
     """Up to how many rows _linear_rows beats single-threaded BLAS blocks, (float32, bfloat16), and _head_rows
     the head's BLAS products and the compact heads' widened chunks, for the CPU Numba compiles for: BLAS
     repacks the weights for so few rows, and bfloat16 must first widen them.
-    Measured on 2 cores, GPT-2 small's matrices, decode_batch steps: with AVX-512 (an AMD EPYC) the kernel
-    won up to 64 rows; with AVX2 only (an AMD EPYC, Zen 3), BLAS was level from 10 to 16 rows of float32
-    and 1.26-1.43x faster from 24 to 64. bfloat16 widened for BLAS took, in the kernel's time (the same
-    Zen 3, steps at context 128, medians of 13 alternating, in two processes): 1.07x and 1.01x at 20
-    rows, 0.95x and 0.93x at 24, 0.85x and 0.86x at 32. Off x86, unmeasured: 64, as before.
-    The head by rows (2 cores, GPT-2 small): 1.6x faster at 8 rows in float32, 2.2x in bfloat16. With AVX2
-    only (the same Zen 3; medians of 11 alternating, two runs) it still won at 20 rows (1.22x and 1.48x in
-    float32, 1.16x and 1.19x in bfloat16) and was level at 24 (a decode_batch step of 20 sequences:
-    0.96-0.99x the time in float32, 0.97-1.03x in bfloat16); above 16 rows with AVX-512, unmeasured."""
+    Measured on 2 cores, GPT-2 small's matrices, decode_batch steps at context 128:
+    - With AVX-512 (an AMD EPYC, SciPy's OpenBLAS, before blas.py): the kernel won up to 64 rows,
+      and the head by rows 1.6x at 8 rows in float32, 2.2x in bfloat16; above 16, unmeasured.
+    - With AVX2 only (an AMD EPYC, Zen 3; NumPy's OpenBLAS through blas.py; in one process, the
+      thresholds alternating, medians of 9 to 15): BLAS took, of the kernel's time, in float32
+      0.88x at 2 rows, 1.04-1.08x at 3, 0.93-0.97x at 4, 0.80-0.84x at 8, 0.69x at 16; in
+      bfloat16 1.25x at 4 rows, 1.17x at 6, 0.97x at 8, 0.76x at 12. The head by BLAS took
+      1.01-1.02x at 8 rows in float32, 0.97-1.02x at 12, 0.95-0.96x at 16; in bfloat16 1.03x at 8,
+      0.95x at 12. So BLAS from 4 rows of float32 (2 and 3 rows together are level either way), from 8 of
+      bfloat16, and for the head from 11.
+    Off x86, unmeasured: 64, as before."""
     features = _x86_features()
     if features is None or "avx512f" in features:
         return 64, 64, 16
-    return 16, 20, 20
+    return 3, 7, 10
 
 
 ROWS_MAX, BF16_ROWS_MAX, HEAD_ROWS_MAX = _rows_max()
