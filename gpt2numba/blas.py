@@ -54,9 +54,9 @@ def _fallback_gemv(order, trans, M, N, alpha, A, lda, X, incx, beta, Y, incy):
     """cblas_sgemv for what _gemm asks (row-major, alpha 1, beta 0, unit increments), by Numba's np.dot."""
     a = carray(A, (M, lda))[:, :N].copy()
     if trans == _TRANS:
-        carray(Y, N)[:] = np.dot(carray(X, M).copy(), a)
+        carray(Y, N)[:] = np.dot(carray(X, M), a)
     else:
-        carray(Y, M)[:] = np.dot(a, carray(X, N).copy())
+        carray(Y, M)[:] = np.dot(a, carray(X, N))
 
 
 def _numpy_blas():

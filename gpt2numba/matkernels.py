@@ -230,15 +230,15 @@ def _head(wte, h, out, n_blocks):
     step = (V + n_blocks - 1) // n_blocks
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
     for _ in prange(n_blocks):
-        scores = np.empty(R * HEAD_CHUNK, np.float32)
         blk = _claim(nxt)
         while blk < n_blocks:
             lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
             if R == 1:
                 _gemm(h, wte[lo:hi], out[:, lo:hi], True)
-            elif R > 1:
+            else:
                 for c0 in range(lo, hi, HEAD_CHUNK):
-                    _chunk_scores(h, wte[c0:], c0, min(hi, c0 + HEAD_CHUNK), scores, out)
+                    c1 = min(hi, c0 + HEAD_CHUNK)
+                    _gemm(h, wte[c0:c1], out[:, c0:c1], True)
             blk = _claim(nxt)
 
 
@@ -314,11 +314,10 @@ def _head_compact(wte, scale, h, out, n_blocks):
 def _head_widened(wte, scale, h, lo, hi, out):
     """out[:, lo:hi] = h @ W[lo:hi].T for compact wte: HEAD_CHUNK rows at a time widened, then BLAS."""
     dense = np.empty((HEAD_CHUNK, h.shape[1]), np.float32)
-    scores = np.empty(h.shape[0] * HEAD_CHUNK, np.float32)
     for c0 in range(lo, hi, HEAD_CHUNK):
         c1 = min(hi, c0 + HEAD_CHUNK)
         _widen_rows(wte, scale, c0, c1, dense)
-        _chunk_scores(h, dense, c0, c1, scores, out)
+        _gemm(h, dense[: c1 - c0], out[:, c0:c1], True)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -429,15 +428,6 @@ def _head_log_softmax(wte, scale, inputs, targets, logprob, best, n_blocks):
                 s += total[blk, r] * math.exp(peak[blk, r] - m)
         logprob[r] = hit[r] - (m + math.log(s))
         best[r] = arg[top, r]
-
-
-@njit(cache=True, nogil=True)
-def _chunk_scores(h, dense, c0, c1, scores, out):
-    """out[:, c0:c1] = h @ dense[:c1 - c0].T: one chunk of the head over several rows.
-    h: (R, C); dense: (HEAD_CHUNK, C) widened wte rows; scores: flat scratch of R * HEAD_CHUNK."""
-    chunk = scores[: h.shape[0] * (c1 - c0)].reshape(h.shape[0], c1 - c0)
-    _gemm(h, dense[: c1 - c0], chunk, True)
-    out[:, c0:c1] = chunk
 
 
 @njit(cache=True, nogil=True, parallel=True)
