@@ -1,5 +1,6 @@
 """GPT-2 inference on the CPU: Numba kernels over a preallocated key/value cache."""
 
+from .beams import Hypothesis, beam_search, beam_search_batch
 from .config import GPT2Config
 from .errors import (
     BatchError,
@@ -9,6 +10,7 @@ from .errors import (
     CheckpointNotFoundError,
     ConfigError,
     GPT2NumbaError,
+    SamplingError,
     TokenError,
     TokenTypeError,
 )
@@ -26,7 +28,7 @@ from .forward import (
 from .kvcache import KV_DTYPES, ModelCache
 from .oracle import recompute_all_logits, recompute_logits
 from .scoring import Score, perplexity, score, score_batch, score_text
-from .sample import Sampler, SamplingError, generate, generate_batch, generate_text, generate_text_batch
+from .sample import Sampler, generate, generate_batch, generate_text, generate_text_batch
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import GPT2Weights, load_weights, random_weights, save_weights
 
@@ -34,7 +36,7 @@ __all__ = [
     "GPT2Config", "GPT2Weights", "ModelCache", "KV_DTYPES",
     "load_weights", "random_weights", "save_weights", "default_weights",
     "prefill", "decode_step", "prefill_batch", "decode_batch", "embed_token", "run_prefill", "recompute_logits", "recompute_all_logits",
-    "generate", "generate_text", "generate_batch", "generate_text_batch",
+    "generate", "generate_text", "beam_search", "beam_search_batch", "Hypothesis", "generate_batch", "generate_text_batch",
     "Score", "score", "score_batch", "score_text", "perplexity", "Sampler", "load_tokenizer", "Tokenizer", "set_threads", "get_threads",
     "GPT2NumbaError", "BatchError", "TokenError", "TokenTypeError", "CacheError", "CacheFullError",
     "ConfigError", "CheckpointError", "CheckpointNotFoundError", "SamplingError",

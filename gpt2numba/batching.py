@@ -23,7 +23,6 @@ import numpy as np
 from .forward import prefill_batch
 from .kvcache import ModelCache, check_kv_dtype
 from .prefixes import PrefixCache
-from .tokenizer import EOT_ID
 from .weights import GPT2Weights
 
 
@@ -56,7 +55,7 @@ class Sequence:
 
     ids: list[int]
     max_new_tokens: int
-    sampler: object  # sample.Sampler: (logits (vocab,), ids so far, rng) -> token id
+    sampler: object  # sample.Sampler: (logits (vocab,), ids so far, rng, prompt_len) -> token id; its eos ids
     rng: np.random.Generator
     stop_at_eos: bool
     cache: ModelCache | None  # None once the sequence has left its batch
@@ -184,9 +183,10 @@ class Batch:
             if seq not in row_of:
                 continue
             row = row_of[seq]
-            token = seq.sampler(row, seq.ids, seq.rng)
+            token = seq.sampler(row, seq.ids, seq.rng, seq.prompt_len)
             seq.ids.append(token)
-            done = (seq.stop_at_eos and token == EOT_ID) or seq.new_tokens == seq.max_new_tokens
+            done = (seq.stop_at_eos and token in seq.sampler.processors.eos_token_id
+                    or seq.new_tokens == seq.max_new_tokens)
             if done:
                 self.remove(seq)
             else:

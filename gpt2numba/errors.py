@@ -35,3 +35,7 @@ class CheckpointNotFoundError(GPT2NumbaError, FileNotFoundError):
 
 class BatchError(GPT2NumbaError, ValueError):
     """A batch is malformed: empty, sequences and caches that differ in number, a cache given twice."""
+
+
+class SamplingError(GPT2NumbaError, ValueError):
+    """A generation setting is out of its range."""

@@ -5,65 +5,83 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass, field, fields
 
 import numpy as np
 
 from . import checks
-from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError, TokenTypeError
+from .errors import BatchError, CacheFullError, ConfigError, SamplingError, TokenTypeError
 from .batching import Batch, Sequence, SharedPrompt
 from .forward import decode_step, prefill
 from .kvcache import ModelCache, check_kv_dtype
-from .tokenizer import EOT_ID, Tokenizer, load_tokenizer
+from .processors import Processors
+from .tokenizer import Tokenizer, load_tokenizer
 from .weights import GPT2Weights
-
-
-class SamplingError(GPT2NumbaError, ValueError):
-    """A generation setting is out of its range."""
 
 
 @dataclass(frozen=True)
 class Sampler:
-    """How the next token is chosen from the logits.
+    """How the next token is chosen from the logits: transformers' processors and warpers, in its order.
 
-    temperature 0 is greedy (argmax); otherwise softmax(logits / temperature),
-    cut to the top_k most likely and then to the smallest set whose probability
-    reaches top_p. repetition_penalty > 1 makes tokens already in the sequence
-    less likely (a positive logit is divided by it, a negative one multiplied).
+    First the processors (processors.Processors: logit_bias, repetition_penalty, presence_penalty,
+    frequency_penalty, no_repeat_ngram_size, bad_words_ids, min_new_tokens with eos_token_id), then
+    temperature 0 is greedy (argmax); otherwise softmax(logits / temperature), cut to the top_k most likely,
+    then to the smallest set whose probability reaches top_p, then to the tokens at least min_p times as
+    likely as the most likely, then to typical_p's locally typical set (transformers' TypicalLogitsWarper).
+    Each cut keeps at least one token.
 
-    top_k ranks the logits as given (after the repetition penalty, before the
+    top_k ranks the logits as given (after the processors, before the
     temperature, in float64): the temperature cannot reorder them, but its
     rounding could make two different logits equal. Equal logits are ranked by
     id, the lower first, so a tie at the k-th place keeps the lower id.
+    Raises SamplingError naming a setting out of its range.
     """
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     repetition_penalty: float = 1.0
+    min_p: float | None = None
+    typical_p: float | None = None
+    _: KW_ONLY
+    no_repeat_ngram_size: int = 0
+    min_new_tokens: int = 0
+    eos_token_id: int | tuple[int, ...] | None = None
+    bad_words_ids: tuple[tuple[int, ...], ...] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    processors: Processors = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        t, k, p, r = self.temperature, self.top_k, self.top_p, self.repetition_penalty
+        t, k, p = self.temperature, self.top_k, self.top_p
         if not checks.is_real(t) or not 0 <= t < math.inf:
             raise SamplingError(f"temperature must be a finite number >= 0, got {t!r}")
         if k is not None and (not checks.is_integer(k) or k < 1):
             raise SamplingError(f"top_k must be an integer >= 1 or None, got {k!r}")
-        if p is not None and (not checks.is_real(p) or not 0 < p <= 1):
-            raise SamplingError(f"top_p must be in (0, 1] or None, got {p!r}")
-        if not checks.is_real(r) or not 0 < r < math.inf:
-            raise SamplingError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        for name in ("top_p", "typical_p"):
+            value = getattr(self, name)
+            if value is not None and (not checks.is_real(value) or not 0 < value <= 1):
+                raise SamplingError(f"{name} must be in (0, 1] or None, got {value!r}")
+        if self.min_p is not None and (not checks.is_real(self.min_p) or not 0 <= self.min_p <= 1):
+            raise SamplingError(f"min_p must be in [0, 1] or None, got {self.min_p!r}")
+        settings = {f.name: getattr(self, f.name) for f in fields(Processors) if f.init}
+        object.__setattr__(self, "processors", Processors(**settings))
 
-    def __call__(self, logits, previous, rng: np.random.Generator) -> int:
-        """One token id from float logits (vocab,), given the ids so far (ids in [0, vocab))."""
+    def __call__(self, logits, previous, rng: np.random.Generator, prompt_len: int = 0) -> int:
+        """One token id from float logits (vocab,), given the ids so far (ids in [0, vocab)), of which the
+        first ``prompt_len`` are the prompt (for presence, frequency and min_new_tokens)."""
         z = np.array(logits, dtype=np.float64)
         if z.ndim != 1 or z.size == 0:
             raise SamplingError(f"logits must be a non-empty 1-D array, got shape {z.shape}")
-        if self.repetition_penalty != 1.0 and len(previous):
-            seen = np.unique(checks.token_ids(previous, z.size))
-            z[seen] = np.where(z[seen] > 0, z[seen] / self.repetition_penalty, z[seen] * self.repetition_penalty)
+        if self.processors.active:
+            self.processors(z, checks.token_ids(previous, z.size) if len(previous) else [], prompt_len)
+            if z.max() == -np.inf:
+                raise SamplingError("every token is banned (bad_words_ids, no_repeat_ngram_size, logit_bias)")
         if self.temperature == 0:
             return int(np.argmax(z))
-        cut = self.top_k is not None or self.top_p is not None
+        cut = self.top_k is not None or self.top_p is not None or self.min_p or self.typical_p is not None
         ranked = z.copy() if self.top_k is not None else None  # top_k ranks these: see the class's docstring
         with np.errstate(over="ignore"):  # <= 0: a tiny temperature gives -inf, never nan
             z = (z - z.max()) / self.temperature
@@ -74,12 +92,13 @@ class Sampler:
         return int(candidates[pick]) if cut else pick
 
     def candidates(self, z: np.ndarray, ranked: np.ndarray | None = None) -> np.ndarray:
-        """Ids allowed by top_k and top_p for tempered logits z: most likely first, or all in id order.
+        """Ids allowed by top_k, top_p, min_p and typical_p for tempered logits z: most likely first, or all
+        in id order when none is set.
 
         ranked: what top_k ranks, (vocab,) in the same order as z: the logits before the
         temperature (default: z itself). Equal values are ranked by id, the lower first.
         """
-        if self.top_k is None and self.top_p is None:
+        if self.top_k is None and self.top_p is None and not self.min_p and self.typical_p is None:
             return np.arange(z.size)  # no cut, no sort: a full sort costs more than the rest of sampling
         ranked = z if ranked is None else ranked
         if self.top_k is not None and self.top_k < z.size:
@@ -96,16 +115,41 @@ class Sampler:
             # smallest prefix whose mass reaches top_p: the first index where the sum >= p
             keep = int(np.searchsorted(np.cumsum(probs), self.top_p * (1 - 1e-12), side="left")) + 1
             order = order[: min(keep, len(order))]
+        if self.min_p:
+            probs = _softmax(z[order])  # most likely first: probs[0] is the largest
+            order = order[: max(1, int(np.count_nonzero(probs >= self.min_p * probs[0])))]
+        if self.typical_p is not None:
+            order = order[_typical(z[order], self.typical_p)]
         return order
 
 
-def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
-             seed: int | None = None, stop_at_eos: bool = True, slide: bool = False,
-             cache: ModelCache | None = None, kv_dtype: str | None = None) -> Iterator[int]:
+def _typical(z: np.ndarray, mass: float) -> np.ndarray:
+    """Locally typical sampling's cut of logits z (most likely first): the indices of those kept, in order.
+    Tokens are taken by how close their surprise is to the entropy until their mass reaches ``mass``
+    (transformers' TypicalLogitsWarper, with one token kept at least)."""
+    with np.errstate(divide="ignore"):
+        logp = np.log(_softmax(z))
+    p = np.exp(logp)
+    entropy = -np.nansum(logp * p)
+    distance = np.abs(-logp - entropy)
+    by_distance = np.argsort(distance, kind="stable")
+    cumulative = np.cumsum(p[by_distance])
+    last = min(int(np.count_nonzero(cumulative < mass)), z.size - 1)
+    keep = distance <= distance[by_distance[last]]
+    keep[by_distance[0]] = True
+    return np.flatnonzero(keep)
+
+
+def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, seed: int | None = None,
+             stop_at_eos: bool = True, slide: bool = False, cache: ModelCache | None = None,
+             kv_dtype: str | None = None, **sampling) -> Iterator[int]:
     """Yield new token ids one at a time: one prefill, then a decode step per token.
 
-    Stops after max_new_tokens, or after yielding <|endoftext|> when stop_at_eos.
+    ``sampling``: Sampler's settings (temperature, top_k, top_p, min_p, typical_p, repetition_penalty,
+    no_repeat_ngram_size, min_new_tokens, eos_token_id, bad_words_ids, presence_penalty,
+    frequency_penalty, logit_bias), with transformers' meaning and order.
+    Stops after max_new_tokens, or after yielding an end-of-text id (eos_token_id: <|endoftext|> unless
+    given) when stop_at_eos.
     The sequence may not pass the model's n_positions: when prompt plus
     max_new_tokens would, CacheFullError is raised before any work, unless
     ``slide``, which keeps the newest half of the context, re-prefills it at
@@ -117,7 +161,7 @@ def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, temperature: fl
     """
     checks.weights(w)
     cfg = w.config
-    sampler = _settings(temperature, top_k, top_p, repetition_penalty, max_new_tokens, seed)
+    sampler = _settings(sampling, cfg.vocab_size, max_new_tokens, seed)
     ids = [int(t) for t in checks.token_ids(prompt_ids, cfg.vocab_size)]
     if len(ids) > cfg.n_positions:
         raise CacheFullError(f"the prompt has {len(ids)} tokens; the model's context is {cfg.n_positions}")
@@ -142,11 +186,12 @@ def _generate(ids, w, mc, sampler, max_new_tokens, rng, stop_at_eos):
     if max_new_tokens == 0:
         return
     logits = prefill(ids, w, mc)
+    prompt_len = len(ids)
     for n in range(max_new_tokens):
-        token = sampler(logits, ids, rng)
+        token = sampler(logits, ids, rng, prompt_len)
         ids.append(token)
         yield token
-        if (stop_at_eos and token == EOT_ID) or n == max_new_tokens - 1:
+        if (stop_at_eos and token in sampler.processors.eos_token_id) or n == max_new_tokens - 1:
             return
         if mc.room == 0:  # only reached with slide=True: keep the newest half, re-prefill
             mc.reset()
@@ -155,19 +200,19 @@ def _generate(ids, w, mc, sampler, max_new_tokens, rng, stop_at_eos):
             logits = decode_step(token, w, mc)
 
 
-def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, temperature: float = 1.0,
-                   top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
-                   seed: int | None = None, stop_at_eos: bool = True, batch_size: int | None = None,
-                   n: int = 1, kv_dtype: str = "float32") -> Iterator[tuple[int, int]]:
+def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, seed: int | None = None,
+                   stop_at_eos: bool = True, batch_size: int | None = None, n: int = 1,
+                   kv_dtype: str = "float32", **sampling) -> Iterator[tuple[int, int]]:
     """Generate for many prompts at once; yield (index, token_id) as tokens are produced.
 
+    ``sampling``: Sampler's settings, as for generate.
     ``n`` samples of each prompt: sequence index = prompt_index * n + j for its j-th (index =
     prompt_index when n is 1). A prompt is prefilled once for its n samples (and for every
     repetition of it in ``prompts``); the others copy its cache rows (ModelCache.copy_prefix).
 
     At most ``batch_size`` sequences (default: all) are in flight, each in its own
     cache slot; every step is one forward pass over all of them. Each sequence
-    stops on its own, at <|endoftext|> (when stop_at_eos) or after
+    stops on its own, at an end-of-text id (when stop_at_eos) or after
     max_new_tokens, and the next waiting prompt is prefilled into its slot in the
     same pass as the others' next tokens (continuous batching). With ``seed``,
     sequence i samples from its own stream, derived from (seed, i), so its tokens
@@ -179,18 +224,17 @@ def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, temperature:
     CacheFullError when a prompt plus max_new_tokens passes n_positions,
     BatchError for no prompts.
     """
-    steps = _batch_steps(prompts, w, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                         top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop_at_eos=stop_at_eos,
-                         batch_size=batch_size, n=n, kv_dtype=kv_dtype)
+    steps = _batch_steps(prompts, w, max_new_tokens=max_new_tokens, seed=seed, stop_at_eos=stop_at_eos,
+                         batch_size=batch_size, n=n, kv_dtype=kv_dtype, **sampling)
     return ((i, token) for i, token, _ in steps)
 
 
-def _batch_steps(prompts, w, *, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                 repetition_penalty=1.0, seed=None, stop_at_eos=True, batch_size=None, n=1, kv_dtype="float32"):
+def _batch_steps(prompts, w, *, max_new_tokens, seed=None, stop_at_eos=True, batch_size=None, n=1,
+                 kv_dtype="float32", **sampling):
     """generate_batch's checks, then its tokens as (sequence index, token_id, whether that sequence is done)."""
     checks.weights(w)
     cfg = w.config
-    sampler = _settings(temperature, top_k, top_p, repetition_penalty, max_new_tokens, seed)
+    sampler = _settings(sampling, cfg.vocab_size, max_new_tokens, seed)
     if batch_size is not None and (not checks.is_integer(batch_size) or batch_size < 1):
         raise SamplingError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
     if not checks.is_integer(n) or n < 1:
@@ -295,9 +339,15 @@ def text_stream(tokens, tokenizer: Tokenizer):
     yield None, decode(None)  # bytes of a character the generation stopped inside
 
 
-def _settings(temperature, top_k, top_p, repetition_penalty, max_new_tokens, seed) -> Sampler:
-    """The sampler, once max_new_tokens and seed are checked too."""
-    sampler = Sampler(temperature, top_k, top_p, repetition_penalty)
+def _settings(sampling: dict, vocab_size: int, max_new_tokens, seed) -> Sampler:
+    """The Sampler of ``sampling`` (its settings by name), its ids checked against the vocabulary, once
+    max_new_tokens and seed are checked too."""
+    unknown = sorted(set(sampling) - {f.name for f in fields(Sampler) if f.init})
+    if unknown:
+        raise SamplingError(f"unknown generation setting {unknown[0]!r}; the sampler takes "
+                            + ", ".join(f.name for f in fields(Sampler) if f.init))
+    sampler = Sampler(**sampling)
+    sampler.processors.check_vocab(vocab_size, default_eos=sampling.get("eos_token_id") is None)
     if not checks.is_integer(max_new_tokens) or max_new_tokens < 0:
         raise SamplingError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if seed is not None and (not checks.is_integer(seed) or seed < 0):
