@@ -69,7 +69,7 @@ def beam_search_batch(prompts, w: GPT2Weights, *, num_beams: int, max_new_tokens
     cfg = w.config
     search = _Settings(num_beams=num_beams, max_new_tokens=max_new_tokens, **settings)
     search.processors.check_vocab(cfg.vocab_size, default_eos=settings.get("eos_token_id") is None)
-    kv_dtype = check_kv_dtype("float32" if kv_dtype is None else kv_dtype)
+    kv_dtype = checks.labelled("kv_dtype: ", check_kv_dtype, "float32" if kv_dtype is None else kv_dtype)
     prompts = checks.sequence(prompts, "prompts")
     if not prompts:
         raise BatchError("no prompts: give at least one")

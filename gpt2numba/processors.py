@@ -63,7 +63,8 @@ class Processors:
         set_("eos_token_id", _ids("eos_token_id", (EOT_ID,) if self.eos_token_id is None else self.eos_token_id))
         if not self.eos_token_id:
             raise SamplingError("eos_token_id must be an id or a non-empty list of ids")
-        set_("bad_words_ids", _bad_words(self.bad_words_ids))
+        lone_eos = {(t,) for t in self.eos_token_id}  # transformers never bans an eos alone
+        set_("bad_words_ids", tuple(w for w in _bad_words(self.bad_words_ids) if w not in lone_eos))
         set_("logit_bias", _logit_bias(self.logit_bias))
         set_("_bias", (np.array(list(self.logit_bias), np.int64), np.array(list(self.logit_bias.values()))))
 
