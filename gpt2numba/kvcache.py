@@ -118,10 +118,12 @@ class ModelCache:
         mc.copy_prefix(self, length)
         return mc
 
-    def copy_prefix(self, src: ModelCache, length: int | None = None) -> None:
+    def copy_prefix(self, src: ModelCache, length: int | None = None, *, start: int = 0) -> None:
         """Make this cache hold the first ``length`` positions of ``src`` (default: all ``src`` holds).
 
-        The rows are copied into this cache's arrays; whatever it held is forgotten. ``src``
+        The rows are copied into this cache's arrays; whatever it held is forgotten, except that with
+        ``start``, the caller vouches that this cache's first ``start`` rows equal src's already (both were
+        copied from one ancestor: beam search's beams) and only rows [start, length) are copied. ``src``
         may be this cache itself: it then keeps its first ``length`` positions. Raises
         CacheError for a src that is not a ModelCache of the same config and dtype (rows are
         copied as they are, never rounded on the way) or a length outside [0, src.length],
@@ -137,9 +139,12 @@ class ModelCache:
         length = self._checked_length(src, length)
         if length > self.max_len:
             raise CacheFullError(f"{length} positions do not fit this cache's max_len={self.max_len}")
+        if not checks.is_integer(start) or not 0 <= start <= min(length, self._length):
+            raise CacheError(f"start={start!r} is outside [0, {min(length, self._length)}]: the rows this cache "
+                             "holds already, up to the length copied")
         if src is not self:
-            self._k[:, :, :length] = src._k[:, :, :length]
-            self._v[:, :, :length] = src._v[:, :, :length]
+            self._k[:, :, start:length] = src._k[:, :, start:length]
+            self._v[:, :, start:length] = src._v[:, :, start:length]
         self._lengths[:] = length
         self._length = length
 

@@ -211,3 +211,20 @@ def test_beam_search_refuses_a_bad_setting(tiny, setting, value):
     settings = {"num_beams": 3, "max_new_tokens": 4, setting: value}
     with pytest.raises(g.GPT2NumbaError, match=setting if setting != "max_new_tokens" or value == 0 else "context"):
         g.beam_search([1, 2, 3], tiny, **settings)
+
+
+def test_copy_prefix_from_a_start_copies_only_the_rest_and_checks_it(tiny):
+    """Rows before ``start`` stay this cache's own (the caller vouches they are alike); a start past what this
+    cache holds, or past the length copied, is refused with nothing changed."""
+    a, b = g.ModelCache(tiny.config), g.ModelCache(tiny.config)
+    g.prefill([1, 2, 3, 4], tiny, a)
+    g.prefill([1, 2, 9], tiny, b)
+    before = b.keys().copy()
+    for start in (4, -1, 1.0):
+        with pytest.raises(g.CacheError, match="start"):
+            b.copy_prefix(a, start=start)
+        np.testing.assert_array_equal(b.keys(), before)
+    b.copy_prefix(a, start=2)
+    np.testing.assert_array_equal(b.keys()[:, :, :2], before[:, :, :2])
+    np.testing.assert_array_equal(b.keys()[:, :, 2:], a.keys()[:, :, 2:])
+    assert b.length == 4
