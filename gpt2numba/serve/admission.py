@@ -1,9 +1,9 @@
 """What a request may cost, and the order in which waiting requests get places in the batch.
 
-Limits count what costs: the choices of a request (prompts x n), the choices waiting in the queue, and
-the size of the response. A request over a per-request limit is refused (400) whatever the load; one
-that would overfill the queue is turned away for now (503, Retry-After). Every refusal names the limit
-and the command-line flag that sets it.
+Limits count what costs: the choices a request runs (prompts x best_of, which is n unless asked), the
+choices waiting in the queue, and the size of the response. A request over a per-request limit is
+refused (400) whatever the load; one that would overfill the queue is turned away for now (503,
+Retry-After). Every refusal names the limit and the command-line flag that sets it.
 
 Waiting requests take free places in the batch round-robin, one choice at a time: a request of one
 choice that arrives behind one of 128 starts at the next free place, not after the 128 (llama.cpp's
@@ -20,7 +20,7 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Limits:
     max_queue: int = 64  # requests waiting with a choice not yet started
-    max_choices: int = 256  # choices in one request: prompts x n
+    max_choices: int = 256  # choices one request runs: prompts x best_of (n unless asked)
     max_queued_choices: int = 1024  # choices waiting, over every request
     max_response_mb: float = 64.0  # the estimate of one response's JSON (response_bytes)
 
@@ -57,17 +57,19 @@ def response_bytes(prompt_lengths: list[int], n: int, max_tokens: int, logprobs:
     return per_token * tokens
 
 
-def check_choices(limits: Limits, prompts: int, n: int) -> None:
-    """Refused(400) for more than --max-choices choices (prompts x n) in one request."""
+def check_choices(limits: Limits, prompts: int, n: int, field: str = "n") -> None:
+    """Refused(400) for more than --max-choices choices (prompts x n, n the ``field`` best_of if it is
+    larger) in one request."""
     if prompts * n > limits.max_choices:
-        raise Refused(400, f"this request asks for {prompts * n} choices ({prompts} prompts x n = {n}); "
-                      f"the server allows {limits.max_choices} per request (--max-choices)", "n")
+        raise Refused(400, f"this request asks for {prompts * n} choices ({prompts} prompts x {field} = {n}); "
+                      f"the server allows {limits.max_choices} per request (--max-choices)", field)
 
 
 def check_size(limits: Limits, prompt_lengths: list[int], n: int, max_tokens: int, logprobs: int | None,
-               echo: bool) -> None:
-    """Refused(400) for a request over a per-request limit, whatever the load."""
-    check_choices(limits, len(prompt_lengths), n)
+               echo: bool, field: str = "n") -> None:
+    """Refused(400) for a request over a per-request limit, whatever the load. n: the choices run per prompt
+    (best_of, named by ``field``, when larger: the response holds them all until it ranks them)."""
+    check_choices(limits, len(prompt_lengths), n, field)
     choices = len(prompt_lengths) * n
     size = response_bytes(prompt_lengths, n, max_tokens, logprobs, echo)
     if size > limits.max_response_mb * 2**20:

@@ -113,11 +113,12 @@ class Routes:
         """A completions body, checked against the request's fields and the server's per-request limits."""
         cfg, body = self.cfg, _json(body)
         try:
-            prompt, n = (body.get("prompt"), body.get("n", 1)) if isinstance(body, dict) else (None, None)
-            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and isinstance(n, int):
-                check_choices(self.engine.limits, len(prompt), n)  # before checking (or tokenising) each prompt
+            prompt, n, field = _choices(body)
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # before checking (or
+                check_choices(self.engine.limits, len(prompt), n, field)  # tokenising) each prompt
             r = parse_completion(body, self.tokenizer, cfg.n_positions, cfg.vocab_size)
-            check_size(self.engine.limits, [len(ids) for ids in r.prompts], r.n, r.max_tokens, r.logprobs, r.echo)
+            check_size(self.engine.limits, [len(ids) for ids in r.prompts], r.best_of, r.max_tokens, r.logprobs,
+                       r.echo, "best_of" if r.best_of > r.n else "n")
         except Refused as e:
             raise ApiError(e.status, e.message, e.param) from None
         return r
@@ -257,6 +258,15 @@ class Routes:
                  self.engine.batch.size)
         yield
         await loop.run_in_executor(None, self.engine.stop)
+
+
+def _choices(body) -> tuple:
+    """(prompt, choices run per prompt, the field that says so) of a body not yet checked: n, or best_of when
+    it is larger; (None, 1, "n") when the body cannot say."""
+    if not isinstance(body, dict):
+        return None, 1, "n"
+    n, best_of = (v if isinstance(v, int) else 1 for v in (body.get("n"), body.get("best_of")))
+    return body.get("prompt"), max(n, best_of), "best_of" if best_of > n else "n"
 
 
 def _json(body: bytes):

@@ -30,7 +30,7 @@ from ..sample import Sampler
 from ..tokenizer import Tokenizer
 from ..weights import GPT2Weights
 from .admission import Limits, QueueFull, Waiting
-from .logprobs import LOGPROB_ROWS, Logprobs, Piece
+from .logprobs import LOGPROB_ROWS, Logprobs, Piece, log_softmax
 
 log = logging.getLogger("gpt2numba.serve")
 
@@ -59,7 +59,8 @@ class Completion:
     prompts: list[list[int]]  # token ids of each prompt
     max_tokens: int
     sampler: Sampler
-    n: int
+    n: int  # choices returned per prompt
+    best_of: int  # choices run per prompt (>= n): the n most likely of them (_Choice.logprob) are returned
     stop: tuple[str, ...]
     seed: int | None
     stream: bool
@@ -95,11 +96,12 @@ class Watcher:
 class _Choice:
     """One sequence of a request, as the engine thread sees it from its start to its end."""
 
-    index: int  # OpenAI's choice index: prompt index x n + j
+    index: int  # prompt index x best_of + j (OpenAI's choice index when best_of = n)
     prompt: int  # index into the request's prompts
     decode: object  # Tokenizer.stream_decoder(): id -> text, holding back split characters
     held: str = ""  # text held back: it may be the start of a stop string
     tokens: int = 0
+    logprob: float = 0.0  # the sum of its tokens' log-probabilities, with best_of > n (which ranks by it)
     first: float = 0.0  # time.perf_counter() at its first token
     sequence: Sequence | None = None
 
@@ -107,23 +109,25 @@ class _Choice:
 class Job:
     """A request inside the server. The engine thread queues events in ``outbox``; the handler awaits them.
 
-    Events: ("text", choice, text, logprobs.Piece or None) and ("finish", choice, reason, tokens), then
-    ("done",) once every choice has finished, or ("error", message, status) when the engine gives up on it.
-    Its choices are counted, not built: choice i (prompt i // n) exists only from its start to its end.
+    Events: ("text", choice, text, logprobs.Piece or None) and ("finish", choice, reason, tokens, logprob),
+    then ("done",) once every choice has finished, or ("error", message, status) when the engine gives up on
+    it. Its choices are counted, not built: choice i (prompt i // best_of) exists only from its start to its
+    end. With best_of > n, every choice runs and finishes; the response keeps the n with the highest
+    logprob of each prompt.
     """
 
     def __init__(self, request: Completion, loop: asyncio.AbstractEventLoop):
         self.request, self.loop = request, loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
-        self.choices = len(request.prompts) * request.n
+        self.choices = len(request.prompts) * request.best_of
         self.started = 0  # choices started, in index order (admission.Waiting counts them)
         self.unfinished = self.choices
         self.tokens = 0  # tokens out, over every choice
         self.since = time.perf_counter()
         self.outbox: list[tuple] = []  # events not yet handed to the event loop (the engine thread's)
-        self.echoed: dict[int, tuple] = {}  # prompt -> its echo (text, Piece), until its n-th choice starts
-        self.shared: dict[int, SharedPrompt] = {}  # prompt -> its prefill shared by its n choices, likewise
+        self.echoed: dict[int, tuple] = {}  # prompt -> its echo (text, Piece), until its last choice starts
+        self.shared: dict[int, SharedPrompt] = {}  # prompt -> its prefill shared by its choices, likewise
 
 
 def _deliver(items: list[tuple[Job, list[tuple]]]) -> None:
@@ -346,22 +350,23 @@ class Engine:
 
     def _start(self, job: Job, index: int) -> None:
         r = job.request
-        choice = _Choice(index, index // r.n, self.tokenizer.stream_decoder())
+        choice = _Choice(index, index // r.best_of, self.tokenizer.stream_decoder())
         ids = r.prompts[choice.prompt]
         self.metrics.started(len(ids))
         if r.echo:
-            if choice.prompt not in job.echoed:  # once for the n choices of a prompt, whenever they start
+            if choice.prompt not in job.echoed:  # once for the choices of a prompt, whenever they start
                 job.echoed[choice.prompt] = (self.tokenizer.decode(ids), self._echo_logprobs(job, choice.prompt))
-            echo = job.echoed[choice.prompt] if index % r.n < r.n - 1 else job.echoed.pop(choice.prompt)
+            last = index % r.best_of == r.best_of - 1
+            echo = job.echoed.pop(choice.prompt) if last else job.echoed[choice.prompt]
             self._emit(job, "text", choice.index, *echo)
         if r.max_tokens == 0:
             self._finish(job, choice, "length")
             return
         rng = np.random.default_rng(None if r.seed is None else [r.seed, choice.index])
-        shared = job.shared.get(choice.prompt)  # the prompt run once for its n choices, whenever they start
-        if shared is None and r.n > 1:
-            shared = job.shared[choice.prompt] = SharedPrompt(r.n)
-        if shared is not None and index % r.n == r.n - 1:
+        shared = job.shared.get(choice.prompt)  # the prompt run once for its choices, whenever they start
+        if shared is None and r.best_of > 1:
+            shared = job.shared[choice.prompt] = SharedPrompt(r.best_of)
+        if shared is not None and index % r.best_of == r.best_of - 1:
             del job.shared[choice.prompt]
         choice.sequence = self.batch.add(ids, max_new_tokens=r.max_tokens, sampler=r.sampler, rng=rng,
                                          stop_at_eos=not r.ignore_eos, shared=shared)
@@ -376,11 +381,15 @@ class Engine:
             if job.tokens == 1:
                 self.metrics.first_token(choice.first - job.since)
         logprobs = self.logprobs.rows(row[None], [token], r.logprobs) if r.logprobs is not None else None
+        if r.best_of > r.n:  # the model's own log-probability of the token (not the sampler's), as vLLM ranks
+            choice.logprob += logprobs.logprob if logprobs is not None else float(log_softmax(row[None])[0, token])
         eos = token == self.tokenizer.eot_id and not r.ignore_eos
         text = choice.held + ("" if eos else choice.decode(token))
         if done:
             text += choice.decode(None)  # bytes of a character cut short
-        cut = min((i for i in (text.find(s) for s in r.stop) if i >= 0), default=-1)
+        # before min_tokens tokens a stop string ends nothing, as in vLLM (and the sampler bans the eos ids)
+        stops = r.stop if choice.tokens > r.sampler.processors.min_new_tokens else ()
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if cut >= 0:  # a stop string: the text ends before it
             text, done, reason = text[:cut], True, "stop"
         else:
@@ -393,7 +402,7 @@ class Engine:
             self._finish(job, choice, reason)
 
     def _finish(self, job: Job, choice: _Choice, reason: str) -> None:
-        self._emit(job, "finish", choice.index, reason, choice.tokens)
+        self._emit(job, "finish", choice.index, reason, choice.tokens, choice.logprob)
         job.unfinished -= 1
         now = time.perf_counter()
         if choice.tokens > 1:
@@ -420,7 +429,7 @@ class Engine:
             return None
         if r.max_tokens == 0:
             return self.logprobs.prompt(ids, r.logprobs)
-        ran = job.shared[prompt] = SharedPrompt(r.n)
+        ran = job.shared[prompt] = SharedPrompt(r.best_of)
         piece = self.logprobs.prompt(ids, r.logprobs, into=ran)
         if self.prefixes is not None:
             self.prefixes.store(ids, ran.cache)

@@ -1,9 +1,10 @@
 """OpenAI's log-probabilities, computed on the engine thread and kept as JSON text.
 
 A Piece holds the four lists of OpenAI's ``logprobs`` object for some consecutive tokens, each already
-serialised (the items without their brackets), and each token's length for ``text_offset``. A response
-joins pieces without parsing or serialising them again: an echoed prompt's piece is computed and
-serialised once, however many choices repeat it, and the event loop only concatenates text.
+serialised (the items without their brackets), each token's length for ``text_offset``, and the sum of
+their log-probabilities (what best_of ranks choices by). A response joins pieces without parsing or
+serialising them again: an echoed prompt's piece is computed and serialised once, however many choices
+repeat it, and the event loop only concatenates text.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ class Piece:
     token_logprobs: str  # 'null, -2.5'
     top_logprobs: str  # 'null, {" cat": -2.5, " dog": -3.0}'
     lengths: tuple[int, ...]  # characters of each token's text: text_offset steps by them
+    logprob: float = 0.0  # the sum of the tokens' log-probabilities (a null one counts 0)
 
 
 def join(pieces: list[Piece]) -> Piece:
     """One piece of consecutive pieces."""
     return Piece(*(", ".join(getattr(p, name) for p in pieces) for name in ("tokens", "token_logprobs",
                                                                          "top_logprobs")),
-                 tuple(n for p in pieces for n in p.lengths))
+                 tuple(n for p in pieces for n in p.lengths), sum(p.logprob for p in pieces))
 
 
 def as_json(pieces: list[Piece], start: int) -> str:
@@ -46,6 +48,14 @@ def as_json(pieces: list[Piece], start: int) -> str:
     offsets = itertools.accumulate(whole.lengths[:-1], initial=start) if whole.lengths else ()
     return (f'{{"tokens": [{whole.tokens}], "token_logprobs": [{whole.token_logprobs}], '
             f'"top_logprobs": [{whole.top_logprobs}], "text_offset": [{", ".join(map(str, offsets))}]}}')
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Rows of logits (R, vocab) as log-probabilities, a new (R, vocab) float64 array."""
+    z = logits.astype(np.float64)
+    peak = z.max(axis=1, keepdims=True)
+    z -= peak + np.log(np.exp(z - peak).sum(axis=1, keepdims=True))
+    return z
 
 
 class Logprobs:
@@ -65,16 +75,14 @@ class Logprobs:
         """The piece for rows of logits (R, vocab) float32 and the token chosen after each."""
         texts, chosen, top = [], [], []
         for r0 in range(0, len(tokens), LOGPROB_ROWS):
-            z = logits[r0:r0 + LOGPROB_ROWS].astype(np.float64)  # (rows, vocab)
-            peak = z.max(axis=1, keepdims=True)
-            z -= peak + np.log(np.exp(z - peak).sum(axis=1, keepdims=True))  # log-softmax
+            z = log_softmax(logits[r0:r0 + LOGPROB_ROWS])  # (rows, vocab)
             for row, token in zip(z, tokens[r0:r0 + LOGPROB_ROWS]):
                 texts.append(self.text(token))
                 chosen.append(float(row[token]))
                 best = np.argpartition(-row, k - 1)[:k] if k else np.zeros(0, np.int64)
                 best = best[np.lexsort((best, -row[best]))]
                 top.append({self.text(int(t)): float(row[t]) for t in best})
-        return Piece(_items(texts), _items(chosen), _items(top), tuple(map(len, texts)))
+        return Piece(_items(texts), _items(chosen), _items(top), tuple(map(len, texts)), sum(chosen))
 
     def prompt(self, ids: list[int], k: int, into: SharedPrompt | None = None) -> Piece:
         """Echo: each prompt token's log-probability given those before it (null for the first).

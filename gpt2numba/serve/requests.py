@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+from ..processors import MAX_BIAS
 from ..sample import Sampler, prompt_ids
 from ..tokenizer import EOT_ID, Tokenizer
 from .engine import Completion
@@ -30,6 +31,9 @@ MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows (OpenAI's legacy API
 MAX_STOPS = 4  # stop strings per request, as OpenAI's
 
 
+MAX_N = 128  # choices (n) and candidates (best_of) per prompt, as OpenAI's
+
+
 # field -> (JSON types allowed, what the message says); None is "absent" for every field
 _FIELDS = {
     "model": ((str,), "a string"),
@@ -51,6 +55,11 @@ _FIELDS = {
     "frequency_penalty": ((int, float), "a number"),
     "logit_bias": ((dict,), "an object"),
     "suffix": ((str,), "a string"),
+    # vLLM's extras
+    "top_k": ((int,), "an integer"),
+    "min_p": ((int, float), "a number"),
+    "repetition_penalty": ((int, float), "a number"),
+    "min_tokens": ((int,), "an integer"),
 }
 
 
@@ -66,28 +75,22 @@ def parse_completion(body, tokenizer: Tokenizer, n_positions: int, vocab_size: i
         if value is not None and (not isinstance(value, types) or is_bool and bool not in types):
             raise ApiError(400, f"{name} must be {what}, got {json.dumps(value)[:80]}", name)
     get = body.get
-    for name in ("presence_penalty", "frequency_penalty"):
-        if get(name) not in (None, 0):
-            raise ApiError(400, f"{name} is not supported (only 0)", name)
-    if get("logit_bias"):
-        raise ApiError(400, "logit_bias is not supported", "logit_bias")
     if get("suffix"):
         raise ApiError(400, "suffix is not supported", "suffix")
 
     prompts = _prompts(get("prompt"), tokenizer, vocab_size)
     max_tokens = _in_range(get("max_tokens"), 16, 0, math.inf, "max_tokens")
-    n = _in_range(get("n"), 1, 1, 128, "n")
-    if get("best_of") not in (None, n):
-        raise ApiError(400, "best_of must equal n (or be absent)", "best_of")
+    n = _in_range(get("n"), 1, 1, MAX_N, "n")
+    best_of = _in_range(get("best_of"), n, 1, MAX_N, "best_of")
+    if best_of < n:
+        raise ApiError(400, f"best_of ({best_of}) must be at least n ({n})", "best_of")
+    if get("stream") and best_of != n:
+        raise ApiError(400, "best_of cannot be used with stream (unless it equals n)", "best_of")
     longest = max(len(ids) for ids in prompts)
     if longest + max_tokens > n_positions:
         raise ApiError(400, f"this model's maximum context length is {n_positions} tokens; you requested "
                        f"{longest + max_tokens} ({longest} in the prompt, {max_tokens} for the completion)",
                        "max_tokens")
-    temperature = _in_range(get("temperature"), 1.0, 0, 2, "temperature")
-    top_p = _in_range(get("top_p"), 1.0, 0, 1, "top_p")
-    if top_p == 0:
-        raise ApiError(400, "top_p must be in (0, 1]", "top_p")
     stop = get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
@@ -96,12 +99,52 @@ def parse_completion(body, tokenizer: Tokenizer, n_positions: int, vocab_size: i
     if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
         raise ApiError(400, 'stream_options takes only "include_usage": true or false', "stream_options")
     return Completion(
-        prompts=prompts, max_tokens=max_tokens, n=n, stop=tuple(dict.fromkeys(stop)),
-        sampler=Sampler(temperature=temperature, top_p=None if top_p == 1 else top_p),
+        prompts=prompts, max_tokens=max_tokens, n=n, best_of=best_of, stop=tuple(dict.fromkeys(stop)),
+        sampler=_sampler(get, max_tokens, vocab_size),
         seed=_in_range(get("seed"), None, 0, 2**63 - 1, "seed"), stream=bool(get("stream")),
         include_usage=bool(options.get("include_usage")),
         logprobs=_in_range(get("logprobs"), None, 0, MAX_LOGPROBS, "logprobs"),
         echo=bool(get("echo")), ignore_eos=bool(get("ignore_eos")))
+
+
+def _sampler(get, max_tokens: int, vocab_size: int) -> Sampler:
+    """The sampling fields as a Sampler: OpenAI's, in OpenAI's ranges, and vLLM's extras in vLLM's."""
+    temperature = _in_range(get("temperature"), 1.0, 0, 2, "temperature")
+    top_p = _in_range(get("top_p"), 1.0, 0, 1, "top_p")
+    if top_p == 0:
+        raise ApiError(400, "top_p must be in (0, 1]", "top_p")
+    top_k = get("top_k")
+    if top_k is not None and top_k < -1:
+        raise ApiError(400, f"top_k must be an integer >= 1, or -1 or 0 for none, got {top_k}", "top_k")
+    repetition_penalty = get("repetition_penalty")
+    if repetition_penalty is not None and not 0 < repetition_penalty < math.inf:
+        raise ApiError(400, f"repetition_penalty must be a finite number > 0, got {repetition_penalty}",
+                       "repetition_penalty")
+    min_tokens = _in_range(get("min_tokens"), 0, 0, math.inf, "min_tokens")
+    if min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
+    return Sampler(
+        temperature=temperature, top_k=top_k if top_k is not None and top_k > 0 else None,
+        top_p=None if top_p == 1 else top_p, min_p=_in_range(get("min_p"), 0, 0, 1, "min_p") or None,
+        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty, min_new_tokens=min_tokens,
+        presence_penalty=_in_range(get("presence_penalty"), 0.0, -2, 2, "presence_penalty"),
+        frequency_penalty=_in_range(get("frequency_penalty"), 0.0, -2, 2, "frequency_penalty"),
+        logit_bias=_logit_bias(get("logit_bias"), vocab_size))
+
+
+def _logit_bias(value: dict | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids written as decimal strings ("50256"), each to a bias in [-100, 100]."""
+    bias = {}
+    for key, b in (value or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) < 20 else vocab_size
+        if token >= vocab_size:
+            raise ApiError(400, f"logit_bias: the key {json.dumps(key)[:40]} is not a token id (a decimal "
+                           f"integer in [0, {vocab_size}))", "logit_bias")
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not -MAX_BIAS <= b <= MAX_BIAS:
+            raise ApiError(400, f"logit_bias: the bias of {json.dumps(key)} must be a number in [-{MAX_BIAS:g}, "
+                           f"{MAX_BIAS:g}], got {json.dumps(b)[:40]}", "logit_bias")
+        bias[token] = b
+    return bias or None
 
 
 def _in_range(value, default, low, high, name):

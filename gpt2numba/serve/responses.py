@@ -33,7 +33,9 @@ def choice_json(index: int, text: str, logprobs: str, reason: str | None) -> str
 
 
 class Whole:
-    """A response that is not streamed, assembled from the job's events."""
+    """A response that is not streamed, assembled from the job's events. With best_of > n, once the best_of
+    choices of a prompt have finished, the n with the highest sum of log-probabilities become its choices,
+    the most likely first (as vLLM's), and the others are dropped; usage counts the tokens of all."""
 
     def __init__(self, r: Completion, head: dict):
         self.r, self.head = r, head
@@ -41,6 +43,7 @@ class Whole:
         self._text: dict[int, list[str]] = {}  # unfinished choice -> its text so far, in pieces
         self._pieces: dict[int, list[Piece]] = {}  # unfinished choice -> its log-probabilities so far
         self._done: list[bytes | None] = [None] * (len(r.prompts) * r.n)  # finished choices, as JSON
+        self._ranked: dict[int, list[tuple]] = {}  # prompt -> its finished candidates, with best_of > n
 
     def add(self, event: tuple) -> None:
         if event[0] == "text":
@@ -48,11 +51,20 @@ class Whole:
             self._text.setdefault(i, []).append(text)
             if piece is not None:
                 self._pieces.setdefault(i, []).append(piece)
-        else:  # ("finish", i, reason, tokens)
-            _, i, reason, tokens = event
+        else:  # ("finish", i, reason, tokens, logprob)
+            _, i, reason, tokens, logprob = event
             self.tokens += tokens
             logprobs = as_json(self._pieces.pop(i, []), 0) if self.r.logprobs is not None else "null"
-            self._done[i] = choice_json(i, "".join(self._text.pop(i, [])), logprobs, reason).encode()
+            text, (n, best_of) = "".join(self._text.pop(i, [])), (self.r.n, self.r.best_of)
+            if best_of == n:
+                self._done[i] = choice_json(i, text, logprobs, reason).encode()
+                return
+            prompt = i // best_of
+            ranked = self._ranked.setdefault(prompt, [])
+            ranked.append((-logprob, i, text, logprobs, reason))
+            if len(ranked) == best_of:  # most likely first; a tie: the earlier choice
+                for rank, (_, _, text, logprobs, reason) in enumerate(sorted(self._ranked.pop(prompt))[:n]):
+                    self._done[prompt * n + rank] = choice_json(prompt * n + rank, text, logprobs, reason).encode()
 
     @property
     def complete(self) -> bool:
@@ -99,8 +111,8 @@ class Chunks:
                 logprobs = as_json([piece] if piece is not None else [], self._sent.get(i, 0))
             self._sent[i] = self._sent.get(i, 0) + len(text)
             choice = choice_json(i, text, logprobs, None)
-        else:  # ("finish", i, reason, tokens)
-            _, i, reason, tokens = event
+        else:  # ("finish", i, reason, tokens, logprob): a stream has best_of = n
+            _, i, reason, tokens, _ = event
             self.tokens += tokens
             self._sent.pop(i, None)
             choice = choice_json(i, "", "null", reason)
