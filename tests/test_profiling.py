@@ -214,7 +214,7 @@ def test_bench_ct2(tmp_path):
     out = tmp_path / "ct2.json"
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--ct2", "--model", str(tmp_path / "ckpt"),
                         "--threads", "1", "--idle-patience", "0", "--ct2-batch-sizes", "1", "3", "--ct2-prompt", "8",
-                        "--ct2-tokens", "4", "--ct2-docs", "5", "--ct2-doc-tokens", "10", "40", "--ct2-repeat", "2",
+                        "--ct2-tokens", "4", "--ct2-beam-prompts", "3", "--ct2-docs", "5", "--ct2-doc-tokens", "10", "40", "--ct2-repeat", "2",
                         "--json", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
@@ -227,6 +227,9 @@ def test_bench_ct2(tmp_path):
         assert {name for name, o in row.items() if isinstance(o, dict)} == systems
         assert all(row[name]["n"] == 2 and row[name]["tokens"] == int(B) * 4 for name in systems)
         assert row["same_greedy_sequences"] == int(B)  # float32 both: the same greedy tokens
+    beam = report["beam"]
+    assert beam["beams"] == 4 and beam["sequences"] == 3 and all(beam[name]["tokens"] == 3 * 4 for name in systems)
+    assert beam["same_best_hypotheses"] >= 2  # (beam scores tie more often than greedy tokens)
     score = report["score"]
     assert len({score[name]["tokens"] for name in systems}) == 1  # every system scored the same tokens
     assert 5 * 9 <= score["gpt2numba"]["tokens"] <= 5 * 39 and score["max_rel_nll_diff"] < 1e-5

@@ -135,6 +135,14 @@ class Ours:
             tokens[i].append(token)
         return tokens
 
+    def beam(self, job):
+        """beam_search_batch of (prompts, new_tokens, num_beams) without an end-of-text stop (min_new_tokens
+        = new_tokens): the best hypothesis's tokens per prompt."""
+        prompts, new_tokens, num_beams = job
+        found = self.g.beam_search_batch(prompts, self.w, num_beams=num_beams, max_new_tokens=new_tokens,
+                                         min_new_tokens=new_tokens)
+        return [hypotheses[0].ids for hypotheses in found]
+
 
 
 def gpt2numba_system(dtype, model_dir, threads):

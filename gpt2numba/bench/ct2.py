@@ -11,6 +11,8 @@ system in its own worker process, runs alternating (A B C D A B C D ...):
   generate  B = 1, 8, 32 prompts of 128 ids, 64 greedy tokens each, no end-of-text stop:
             our generate_batch against Generator.generate_batch (end_token=[], the
             prompt forwarded at once: include_prompt_in_result=False)
+  beam      8 of those prompts, 4 beams, 64 tokens, no end-of-text stop: our beam_search_batch against
+            Generator.generate_batch(beam_size=4, end_token=[])
   score     200 documents of 100-300 tokens: our score_batch against
             Generator.score_batch (sorted by length, batches of at most 1024 tokens,
             as many rows as our score_batch puts in one pass)
@@ -47,6 +49,8 @@ def add_arguments(p) -> None:
     group.add_argument("--ct2-batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="prompts per generate")
     group.add_argument("--ct2-prompt", type=int, default=128, help="ids per prompt")
     group.add_argument("--ct2-tokens", type=int, default=64, help="greedy tokens per prompt")
+    group.add_argument("--ct2-beams", type=int, default=4, help="beam search's beams")
+    group.add_argument("--ct2-beam-prompts", type=int, default=8, help="prompts per beam search")
     group.add_argument("--ct2-docs", type=int, default=200, help="documents to score")
     group.add_argument("--ct2-doc-tokens", type=int, nargs=2, default=[100, 300], metavar=("LOW", "HIGH"),
                        help="their lengths, uniform in [LOW, HIGH]")
@@ -135,6 +139,14 @@ class CTranslate2:
         """Greedy Generator.generate_batch of (prompts, new_tokens): tokens per prompt."""
         return self._generate(*job)
 
+    def beam(self, job):
+        """Generator.generate_batch with beam_size of (prompts, new_tokens, beams), no end token: the best
+        hypothesis's tokens per prompt."""
+        prompts, new_tokens, beams = job
+        results = self.generator.generate_batch([_tokens(ids) for ids in prompts], max_length=new_tokens,
+                                                include_prompt_in_result=False, end_token=[], beam_size=beams)
+        return [r.sequences_ids[0] for r in results]
+
     def logprobs(self, docs):
         """log p of each token but the first, per document, from Generator.score_batch: float64 arrays."""
         results = self.generator.score_batch([_tokens(ids) for ids in docs], max_batch_size=BATCH_ROWS,
@@ -183,6 +195,7 @@ def run(args, model_dir, w) -> dict:
                                  f"{report['same_model']:.1e} > {SAME_MODEL_ATOL}: not the same model")
             report["generate"] = {B: _generate(systems, prompts[:B], args)
                                   for B in progress(args.ct2_batch_sizes, "ct2 generate")}
+            report["beam"] = _beam(systems, prompts[: args.ct2_beam_prompts], args)
             first, times, others = alternate(systems, "score_docs", {s.name: docs for s in systems}, args.ct2_repeat)
             report["score"] = _rows(times, {name: tokens for name, (tokens, _) in first.items()}, others)
             nll = {name: np.array(nlls) for name, (_, nlls) in first.items()}
@@ -235,6 +248,16 @@ def _generate(systems, prompts, args):
     return row
 
 
+def _beam(systems, prompts, args):
+    """Beam search of ``prompts``: every system's seconds, and how many best hypotheses the float32 pair share."""
+    job = (prompts, args.ct2_tokens, args.ct2_beams)
+    first, times, others = alternate(systems, "beam", {s.name: job for s in systems}, args.ct2_repeat)
+    row = _rows(times, {name: len(prompts) * args.ct2_tokens for name in times}, others)
+    row.update(sequences=len(prompts), beams=args.ct2_beams,
+               same_best_hypotheses=sum(a == b for a, b in zip(first[_OURS_F32], first[_CT2_F32])))
+    return row
+
+
 def _rows(times, tokens, others):
     """{system: summary + tokens + tok_s, "others_cpu": share} of one workload."""
     row = {"others_cpu": others}
@@ -254,6 +277,8 @@ def print_report(r):
           f"{'CT2 / ours':>10} {'others':>6}")
     d = r["docs"]
     rows = [(f"generate B={B}", row) for B, row in r["generate"].items()]
+    if "beam" in r:
+        rows.append((f"beam {r['beam']['beams']} x B={r['beam']['sequences']}", r["beam"]))
     rows.append((f"score {d['documents']} docs", r["score"]))
     for label, row in rows:
         for dtype, ct in PAIRS:
@@ -262,6 +287,9 @@ def print_report(r):
                   f"{theirs['median_ms'] / 1e3:>13.2f} {theirs['tok_s']:>7.0f} "
                   f"{theirs['median_ms'] / ours['median_ms']:>9.2f}x {percent(row['others_cpu']):>6}")
             label = ""
+        if "same_best_hypotheses" in row:
+            print(f"{'':<25}float32: the same best hypothesis in {row['same_best_hypotheses']} of "
+                  f"{row['sequences']} prompts")
         if "same_greedy_sequences" in row:
             print(f"{'':<25}float32: the same greedy tokens in {row['same_greedy_sequences']} of "
                   f"{row['sequences']} sequences")
