@@ -23,6 +23,7 @@ import numpy as np
 from .forward import prefill_batch
 from .kvcache import ModelCache, check_kv_dtype
 from .prefixes import PrefixCache
+from .tokenizer import EOT_ID
 from .weights import GPT2Weights
 
 
@@ -57,7 +58,7 @@ class Sequence:
     max_new_tokens: int
     sampler: object  # sample.Sampler: (logits (vocab,), ids so far, rng, prompt_len) -> token id; its eos ids
     rng: np.random.Generator
-    stop_at_eos: bool
+    stop_ids: tuple[int, ...]  # the ids that end it (its sampler's eos ids), none when it does not stop at eos
     cache: ModelCache | None  # None once the sequence has left its batch
     prompt_len: int = field(init=False)
     feed: list[int] = field(init=False)  # what the next pass feeds: the prompt, then the last token
@@ -96,7 +97,7 @@ class Batch:
         """
         assert not self.full and max_new_tokens >= 1
         cache = ModelCache(self.w.config, max_len=len(ids) + max_new_tokens, dtype=self.kv_dtype)
-        seq = Sequence(list(ids), max_new_tokens, sampler, rng, stop_at_eos, cache)
+        seq = Sequence(list(ids), max_new_tokens, sampler, rng, _stop_ids(sampler) if stop_at_eos else (), cache)
         if shared is not None:
             assert shared.uses >= 1
             shared.uses -= 1
@@ -185,8 +186,7 @@ class Batch:
             row = row_of[seq]
             token = seq.sampler(row, seq.ids, seq.rng, seq.prompt_len)
             seq.ids.append(token)
-            done = (seq.stop_at_eos and token in seq.sampler.processors.eos_token_id
-                    or seq.new_tokens == seq.max_new_tokens)
+            done = token in seq.stop_ids or seq.new_tokens == seq.max_new_tokens
             if done:
                 self.remove(seq)
             else:
@@ -229,3 +229,9 @@ class Batch:
         leader = seq.shared.leader
         seq.cache.copy_prefix(leader.cache)
         return row_of[leader]
+
+
+def _stop_ids(sampler) -> tuple[int, ...]:
+    """The ids that end a sequence: its Sampler's eos_token_id; a plain callable's, <|endoftext|>."""
+    processors = getattr(sampler, "processors", None)
+    return (EOT_ID,) if processors is None else processors.eos_token_id

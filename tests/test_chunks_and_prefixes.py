@@ -34,7 +34,7 @@ def run(w, plan, budget, prefixes=None):
                 shared = batching.SharedPrompt(copies) if copies > 1 else None
                 for c in range(copies):
                     seq = batch.add(prompt, max_new_tokens=NEW_TOKENS, rng=np.random.default_rng(0), shared=shared,
-                                    sampler=lambda row, ids, rng, tokens=tokens, n=len(prompt): tokens[len(ids) - n])
+                                    sampler=lambda row, ids, rng, prompt_len, tokens=tokens: tokens[len(ids) - prompt_len])
                     key[seq] = (p, c)
                     out[p, c] = []
         results, counts = counted_step(batching.Batch.step, batch, budget)
