@@ -1,4 +1,5 @@
-"""Command line: gpt2numba generate | check | score | bench (also python -m gpt2numba)."""
+"""Command line: gpt2numba generate | check | score | serve | bench (also python -m gpt2numba). Every command's flags
+are defined here; generate's work is in cli_generate.py, bench's in the bench package."""
 
 from __future__ import annotations
 
@@ -12,17 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
-from . import forward
+from . import cli_generate, forward
 from .errors import ConfigError, GPT2NumbaError
 from .forward import decode_batch, decode_step, prefill, prefill_batch
 from .kvcache import KV_DTYPES, ModelCache
 from .oracle import ATOL, ATOL_INTEGER, RTOL, agreement, recompute_logits
 from .compact import DTYPES, INTEGER
-from .documents import field_of, split, utf8
+from .documents import field_of, split
 from .models import resolve_model  # re-exported: gpt2numba.cli.resolve_model
 from .serve.engine import MAX_STEP_TOKENS, PREFIX_CACHE_MB  # (the engine needs no web framework)
-
-RANDOM_NOTE = "random GPT-2 small weights (seed 0): the text is meaningless; pass --model for a real checkpoint"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,23 +44,44 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = commands.add_parser("generate", parents=[weights],
                               help="continue a prompt, streaming text as it is produced",
-                              description="Continue PROMPT, printing text as it is produced; "
-                              "a one-line summary goes to stderr.")
+                              description="Continue PROMPT, printing text as it is produced (several texts or "
+                              "beam search: each text once done); a one-line summary goes to stderr.")
     gen.add_argument("prompt", metavar="PROMPT", nargs="?", help="the text to continue (or --prompts-file)")
     gen.add_argument("--prompts-file", type=Path, metavar="FILE",
                      help="many prompts, generated as a batch: one per line, or JSON lines with a \"prompt\" "
-                     "field ('-' reads stdin); writes one JSON line per prompt as it finishes")
+                     "field ('-' reads stdin); writes a JSON line per text as it finishes (beam search: per prompt)")
     gen.add_argument("--batch-size", type=_at_least(1), metavar="N",
                      help="with --prompts-file: sequences in flight at once (default: all)")
     gen.add_argument("--max-new-tokens", type=_at_least(0), default=50, metavar="N", help="default 50")
-    gen.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 is greedy (default 1.0)")
+    gen.add_argument("--temperature", type=float, metavar="T", help="0 is greedy (default 1.0)")
     gen.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens")
     gen.add_argument("--top-p", type=float, metavar="P", help="sample from the smallest set of mass P")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="default 1.0 (off)")
+    gen.add_argument("--min-p", type=float, metavar="P", help="drop tokens less than P times as likely as the first")
+    gen.add_argument("--typical-p", type=float, metavar="P", help="sample from the locally typical set of mass P")
+    gen.add_argument("--repetition-penalty", type=float, metavar="R", help="default 1.0 (off)")
+    gen.add_argument("--presence-penalty", type=float, metavar="X",
+                     help="lower a generated token's logit by X, -2 to 2 (default 0)")
+    gen.add_argument("--frequency-penalty", type=float, metavar="X",
+                     help="lower it by X for each time it was generated, -2 to 2 (default 0)")
+    gen.add_argument("--no-repeat-ngram-size", type=int, metavar="N", help="never repeat an N-gram (default 0, off)")
+    gen.add_argument("--min-new-tokens", type=int, metavar="N", help="no end of text before N new tokens (default 0)")
+    gen.add_argument("--eos-token-id", type=int, nargs="+", action="extend", metavar="ID",
+                     help="the ids that end a text (default 50256, <|endoftext|>)")
+    gen.add_argument("--bad-words", type=_word, action="append", metavar="WORD",
+                     help="never write the word WORD after a space (tokenized as ' WORD', as transformers advises); repeatable")
     gen.add_argument("--seed", type=_at_least(0), help="make the output reproducible")
-    gen.add_argument("--no-stop", action="store_true", help="go on past <|endoftext|>")
+    gen.add_argument("--no-stop", action="store_true", help="go on past <|endoftext|> (or --eos-token-id)")
     gen.add_argument("--slide", action="store_true",
                      help="at the end of the context, drop the oldest tokens and go on")
+    gen.add_argument("--num-beams", type=_at_least(1), default=1, metavar="N",
+                     help="beam search with N beams when N > 1 (default 1: sampling)")
+    gen.add_argument("--num-return-sequences", type=_at_least(1), metavar="N",
+                     help="texts per prompt: the N best beams, or N samples (default 1)")
+    gen.add_argument("--length-penalty", type=float, metavar="L",
+                     help="beam search: a score is divided by length ** L (default 1.0; above 0 favours long)")
+    gen.add_argument("--early-stopping", choices=list(cli_generate.EARLY_STOPPING),
+                     help="beam search: stop once N beams ended (true), once none can do better (false, the "
+                     "default), or that judged at --max-new-tokens (never)")
 
     check = commands.add_parser(
         "check", parents=[weights],
@@ -145,107 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "threads", None):
             forward.set_threads(args.threads)
-        return {"generate": _generate, "check": _check, "score": _score, "serve": _serve}[args.command](args)
+        return {"generate": cli_generate.run, "check": _check, "score": _score, "serve": _serve}[args.command](args)
     except (GPT2NumbaError, OSError) as e:
         print(f"gpt2numba: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-
-
-def _generate(args) -> int:
-    from .sample import generate, prompt_ids, text_stream
-    from .tokenizer import load_tokenizer
-
-    if (args.prompt is None) == (args.prompts_file is None):
-        print("gpt2numba: error: give a PROMPT or --prompts-file, not both", file=sys.stderr)
-        return 2
-    if args.prompts_file is None and args.batch_size is not None:
-        print("gpt2numba: error: --batch-size goes with --prompts-file", file=sys.stderr)
-        return 2
-    if args.prompts_file is not None and args.slide:
-        print("gpt2numba: error: --slide goes with a single PROMPT, not --prompts-file", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
-    prompts = None if args.prompts_file is None else _read_prompts(args.prompts_file)
-    w, path, source = resolve_model(args.model, args.dtype)
-    tokenizer = load_tokenizer(path)
-    if path is None:
-        print(f"gpt2numba: {RANDOM_NOTE}", file=sys.stderr)
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                   stop_at_eos=not args.no_stop, kv_dtype=args.kv_dtype)
-    if prompts is not None:
-        return _generate_batch(prompts, w, tokenizer, args.batch_size, options)
-    ids = prompt_ids(args.prompt, tokenizer)
-    tokens = generate(ids, w, slide=args.slide, **options)
-    sys.stdout.write(args.prompt)
-    sys.stdout.flush()
-    t_start = time.perf_counter()
-    stamps = []
-    for token, text in text_stream(tokens, tokenizer):
-        if token is not None:
-            stamps.append(time.perf_counter())
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    prefill_s = (stamps[0] - t_start) if stamps else 0.0
-    decode_ms = 1e3 * np.median(np.diff(stamps)) if len(stamps) > 1 else float("nan")
-    print(f"gpt2numba: {len(ids)} prompt tokens, {len(stamps)} new tokens; first token after {prefill_s:.2f} s "
-          f"(prefill {len(ids) / max(prefill_s, 1e-9):.0f} tokens/s, loading the compiled kernels included), "
-          f"decode {decode_ms:.1f} ms/token; {time.perf_counter() - t0:.1f} s in all", file=sys.stderr)
-    return 0
-
-
-def _read_prompts(path: Path) -> list[str]:
-    """Prompts from a file: JSON lines with a "prompt" field, or else one prompt per line (blank lines skipped)."""
-    source = "<stdin>" if str(path) == "-" else str(path)
-    text = utf8(sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes(), source, 1)
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if not lines:
-        raise GPT2NumbaError(f"{path}: no prompts in the file")
-    if not lines[0][1].lstrip().startswith("{"):
-        return [line for _, line in lines]
-    prompts = []
-    for n, line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise GPT2NumbaError(f"{path}, line {n}: not a JSON object ({e.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise GPT2NumbaError(f'{path}, line {n}: expected an object with a string "prompt" field')
-        prompts.append(record["prompt"])
-    return prompts
-
-
-def _generate_batch(prompts, w, tokenizer, batch_size, options) -> int:
-    """One JSON line per prompt as it finishes; a progress bar and the aggregate tokens/s on stderr."""
-    from tqdm import tqdm
-
-    from .sample import _batch_steps, prompt_ids
-
-    ids = [prompt_ids(p, tokenizer) for p in prompts]
-    tokens = {i: [] for i in range(len(prompts))}
-    t0 = time.perf_counter()
-
-    def write(i):
-        text = tokenizer.decode([t for t in tokens[i] if t != tokenizer.eot_id])
-        print(json.dumps({"index": i, "prompt": prompts[i], "text": text, "tokens": tokens[i]}), flush=True)
-        bar.update()
-    with tqdm(total=len(prompts), unit="prompt", file=sys.stderr, desc="generate") as bar:
-        pending = set(tokens)
-        for i, token, done in _batch_steps(ids, w, batch_size=batch_size, **options):
-            tokens[i].append(token)
-            if done:
-                write(i)
-                pending.discard(i)
-        for i in sorted(pending):  # max_new_tokens 0: nothing was generated, still a record each
-            write(i)
-    seconds = time.perf_counter() - t0
-    n = sum(map(len, tokens.values()))
-    print(f"gpt2numba: {len(prompts)} prompts, {n} new tokens in {seconds:.1f} s: {n / seconds:.0f} tokens/s "
-          f"(batch size {min(batch_size or len(prompts), len(prompts))}, prefills included)", file=sys.stderr)
-    return 0
 
 
 def _documents(args):
@@ -473,6 +398,12 @@ def _positive(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
     return value
+
+
+def _word(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _at_least(low: int):

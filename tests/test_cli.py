@@ -1,6 +1,8 @@
 """The command line, run as a user types it: a subprocess."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -8,7 +10,7 @@ import pytest
 
 import gpt2numba as g
 from checkpoints import write_dir
-from conftest import TINY
+from conftest import TINY, TINY_GPT2
 
 
 def run(*args, env=None):
@@ -156,3 +158,155 @@ def test_score_reports_bad_bytes_and_keeps_what_came_before(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "score", "-", "--field", "body"], input='{"text": "a"}\n',
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 1 and '<stdin>, line 1: no string field "body"' in r.stderr
+
+
+@pytest.fixture(scope="module")
+def gpt2_vocab(tmp_path_factory):
+    """A tiny checkpoint with GPT-2's vocabulary (text in and out), its weights and tokenizer as the CLI loads them."""
+    path = write_dir(g.random_weights(TINY_GPT2, seed=3), tmp_path_factory.mktemp("tiny_gpt2"))
+    return str(path), g.load_weights(path), g.load_tokenizer(path)
+
+
+def continuation(ids, tok):
+    return tok.decode([t for t in ids if t != tok.eot_id])
+
+
+def test_generate_beam_search_prints_the_hypotheses_of_beam_search(gpt2_vocab):
+    """Each hypothesis as the prompt and its text, best first; the scores in the summary. Catches: --num-beams or
+    --num-return-sequences not reaching beam_search (sampling, or one text), --length-penalty dropped (the
+    scores), the hypotheses printed in another order."""
+    path, w, tok = gpt2_vocab
+    r = run("generate", "Hello world", "--model", path, "--num-beams", "3", "--num-return-sequences", "2",
+            "--max-new-tokens", "8", "--length-penalty", "0.5")
+    assert r.returncode == 0, r.stderr
+    found = g.beam_search(tok.encode("Hello world"), w, num_beams=3, num_return_sequences=2, max_new_tokens=8,
+                          length_penalty=0.5)
+    assert len(found) == 2 and found[0].ids != found[1].ids
+    assert r.stdout == "".join(f"Hello world{continuation(h.ids, tok)}\n" for h in found)
+    scores = [float(x) for x in re.search(r"scores ([^;]*);", r.stderr).group(1).split(", ")]
+    assert scores == pytest.approx([h.score for h in found], abs=1e-4)
+
+
+def repeats_a_bigram(ids) -> bool:
+    bigrams = list(zip(ids, ids[1:]))
+    return len(set(bigrams)) < len(bigrams)
+
+
+def test_generate_no_repeat_ngram_size(gpt2_vocab, tmp_path):
+    """Greedy and beam search: with --no-repeat-ngram-size 2 no bigram of prompt and text occurs twice; without,
+    the tiny model repeats itself at once (so the check can fail)."""
+    path, _, tok = gpt2_vocab
+    prompts = ["Hello world", "The meaning of life is"]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    for search in (["--temperature", "0"], ["--num-beams", "3", "--num-return-sequences", "3"]):
+        for flag, repeats in (([], True), (["--no-repeat-ngram-size", "2"], False)):
+            r = run("generate", "--prompts-file", str(tmp_path / "p.txt"), "--model", path, "--max-new-tokens", "20",
+                    *search, *flag)
+            assert r.returncode == 0, r.stderr
+            records = [json.loads(line) for line in r.stdout.splitlines()]
+            texts = [(x["prompt"], h["tokens"]) for x in records for h in x.get("hypotheses", [x])]
+            assert len(texts) == (2 if search[0] == "--temperature" else 6)
+            assert all(len(ids) == 20 for _, ids in texts)
+            assert any(repeats_a_bigram(tok.encode(p) + ids) for p, ids in texts) == repeats, (search, flag)
+            if not repeats:
+                assert not any(repeats_a_bigram(tok.encode(p) + ids) for p, ids in texts)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--num-beams", "3", "--temperature", "0.5"], "--temperature goes with sampling, not beam search (--num-beams 3)"),
+    (["--num-beams", "2", "--top-k", "5", "--top-p", "0.9", "--min-p", "0.1", "--typical-p", "0.5"],
+     "--top-k, --top-p, --min-p, --typical-p go with sampling, not beam search"),
+    (["--num-beams", "2", "--presence-penalty", "1", "--frequency-penalty", "1", "--seed", "1", "--no-stop"],
+     "--presence-penalty, --frequency-penalty, --seed, --no-stop go with sampling"),
+    (["--num-beams", "3", "--num-return-sequences", "4"], "--num-return-sequences 4 is more than --num-beams 3"),
+    (["--length-penalty", "2"], "--length-penalty goes with beam search: add --num-beams N"),
+    (["--num-beams", "1", "--early-stopping", "true", "--length-penalty", "1"],
+     "--length-penalty, --early-stopping go with beam search"),
+    (["--num-return-sequences", "2", "--temperature", "0"], "--num-return-sequences 2 with --temperature 0"),
+    (["--num-return-sequences", "2", "--slide"], "--slide goes with one text"),
+    (["--num-beams", "0"], "--num-beams: must be at least 1"),
+    (["--early-stopping", "soon"], "--early-stopping: invalid choice: 'soon'"),
+    (["--bad-words", ""], "--bad-words: must not be empty"),
+])
+def test_generate_flags_that_do_not_go_together(args, match, tmp_path):
+    """Exit 2 naming the flags, before any work: the model named does not exist, and a run that got as far as
+    loading it would exit 1 saying so."""
+    r = run("generate", "Hi", "--model", str(tmp_path / "missing"), *args)
+    assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run("generate", "--prompts-file", str(tmp_path / "missing.txt"), "--num-beams", "2", "--batch-size", "2")
+    assert r.returncode == 2 and "--batch-size goes with sampling, not beam search" in r.stderr
+
+
+def test_generate_out_of_range_settings_are_the_librarys_errors(gpt2_vocab):
+    path, *_ = gpt2_vocab
+    for args, match in [(["--min-p", "2"], "min_p must be in [0, 1]"),
+                        (["--presence-penalty", "3"], "presence_penalty must be a number in [-2, 2]"),
+                        (["--num-beams", "2", "--length-penalty", "inf"], "length_penalty must be a finite number"),
+                        (["--num-beams", "2", "--no-repeat-ngram-size", "-1"], "no_repeat_ngram_size must be"),
+                        (["--eos-token-id", "60000"], "eos_token_id")]:
+        r = run("generate", "Hi", "--model", path, *args)
+        assert r.returncode == 1 and match in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+
+
+def test_generate_a_prompts_file_with_beam_search(gpt2_vocab, tmp_path):
+    """One JSON line per prompt with its hypotheses, best first: beam_search_batch's, with the settings both
+    decodings share passed on. Catches: a prompt's hypotheses given to another, --repetition-penalty,
+    --min-new-tokens, --eos-token-id or --early-stopping dropped."""
+    path, w, tok = gpt2_vocab
+    prompts = ["Hello world", "The meaning of life is", "{"]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    settings = dict(num_beams=3, num_return_sequences=2, max_new_tokens=8, repetition_penalty=1.5)
+    first = g.beam_search_batch([tok.encode(p) for p in prompts], w, **settings)
+    eos = first[0][0].ids[3]  # prompt 0's best hypothesis ends early with this as an end-of-text id
+    settings.update(eos_token_id=[eos, tok.eot_id], min_new_tokens=2, early_stopping=True)
+    found = g.beam_search_batch([tok.encode(p) for p in prompts], w, **settings)
+    assert any(len(h.ids) < 8 for h in found[0]) and eos in found[0][0].ids
+    r = run("generate", "--prompts-file", str(tmp_path / "p.txt"), "--model", path, "--num-beams", "3",
+            "--num-return-sequences", "2", "--max-new-tokens", "8", "--repetition-penalty", "1.5",
+            "--eos-token-id", str(eos), str(tok.eot_id), "--min-new-tokens", "2", "--early-stopping", "true")
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(x["index"], x["prompt"]) for x in records] == list(enumerate(prompts))
+    for x, hypotheses in zip(records, found):
+        assert [(h["text"], h["tokens"]) for h in x["hypotheses"]] == [(continuation(h.ids, tok), h.ids)
+                                                                       for h in hypotheses]
+        assert [h["score"] for h in x["hypotheses"]] == pytest.approx([h.score for h in hypotheses], rel=1e-6)
+    assert "3 prompts, beam search of 3 beams: 6 hypotheses" in r.stderr
+
+
+def test_generate_sampling_settings_reach_the_sampler(gpt2_vocab, tmp_path):
+    """--num-return-sequences samples as generate_batch's n, one JSON line per sample (or the texts of one
+    PROMPT); --min-p, --typical-p, the penalties, --min-new-tokens, --eos-token-id and --bad-words as the
+    Sampler's settings; a bad word is tokenized with a space before it. Catches: a setting dropped, a bad
+    word tokenized bare, samples numbered or seeded otherwise than generate_batch's."""
+    path, w, tok = gpt2_vocab
+    prompts = ["Hello world", "The meaning of life is"]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    ids = [tok.encode(p) for p in prompts]
+    settings = dict(max_new_tokens=8, seed=4, n=2, min_p=0.05, typical_p=0.9, presence_penalty=1.5,
+                    frequency_penalty=0.5, min_new_tokens=2)
+
+    def sample(**more):
+        tokens = [[] for _ in range(4)]
+        for i, t in g.generate_batch(ids, w, **settings, **more):
+            tokens[i].append(t)
+        return tokens
+    # a word the samples write after a space, one token long: banned, it must go
+    word = next(tok.decode([t]).strip() for text in sample() for t in text
+                if re.fullmatch(r" [A-Za-z]+", tok.decode([t])) and tok.encode(tok.decode([t])) == [t])
+    banned = tok.encode(" " + word)
+    eos = sample(bad_words_ids=[banned])[1][4]
+    expected = sample(bad_words_ids=[banned], eos_token_id=[eos, tok.eot_id])
+    assert len(expected[1]) < 8 and tok.encode(word) != banned  # the end-of-text id ends a sample; bare differs
+    flags = ["--model", path, "--max-new-tokens", "8", "--seed", "4", "--num-return-sequences", "2", "--min-p",
+             "0.05", "--typical-p", "0.9", "--presence-penalty", "1.5", "--frequency-penalty", "0.5",
+             "--min-new-tokens", "2", "--bad-words", word, "--eos-token-id", str(eos), str(tok.eot_id)]
+    r = run("generate", "--prompts-file", str(tmp_path / "p.txt"), *flags)
+    assert r.returncode == 0, r.stderr
+    records = sorted((json.loads(line) for line in r.stdout.splitlines()), key=lambda x: (x["index"], x["sample"]))
+    assert [(x["index"], x["sample"], x["prompt"], x["tokens"]) for x in records] == [
+        (i // 2, i % 2, prompts[i // 2], tokens) for i, tokens in enumerate(expected)]
+    assert all(banned[0] not in x["tokens"] for x in records)
+    r = run("generate", prompts[0], *flags)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "".join(f"{prompts[0]}{continuation(tokens, tok)}\n" for tokens in expected[:2])
