@@ -27,6 +27,7 @@ from .errors import BatchError, CacheFullError, SamplingError
 from .forward import decode_batch, prefill_batch
 from .kvcache import ModelCache, check_kv_dtype
 from .processors import Processors
+from .topk import _best, _log_softmax
 from .weights import GPT2Weights
 
 _FAR = 1.0e9  # what transformers subtracts from a score to rule a candidate out (not -inf: sums stay finite)
@@ -150,17 +151,12 @@ class _Beams:
     def step(self, logits: np.ndarray) -> None:
         """Take the running beams' next-token logits (beams, vocab); move on by one token."""
         s, vocab = self.s, logits.shape[1]
-        z = logits.astype(np.float64)
-        z -= z.max(axis=1, keepdims=True)
-        z -= np.log(np.exp(z).sum(axis=1, keepdims=True))  # log-softmax
+        z = np.empty(logits.shape)  # (beams, vocab) float64
+        _log_softmax(np.ascontiguousarray(logits, np.float32), z)
         for b, ids in enumerate(self.running):
             s.processors(z[b], self.prompt + ids, len(self.prompt))
-        z += self.scores[:, None]
-        flat = z.ravel()
-        k = min(s.candidates, flat.size)
-        top = np.argpartition(-flat, k - 1)[:k]
-        top = top[np.lexsort((top, -flat[top]))]  # best first; ties by beam, then id
-        scores, parents, tokens = flat[top], top // vocab, top % vocab
+        scores, top = _best(z, self.scores, min(s.candidates, z.size))  # best first; ties by beam, then id
+        parents, tokens = top // vocab, top % vocab
         length = len(self.running[0]) + 1  # every candidate's new tokens
         ends = np.isin(tokens, s.processors.eos_token_id) | (length >= s.max_new_tokens)
         full = len(self.finished) == s.num_beams
