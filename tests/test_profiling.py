@@ -363,3 +363,19 @@ def test_kv_dtype_script(tmp_path):
     assert report["bytes"]["float16"] == report["bytes"]["bfloat16"] == report["bytes"]["float32"] // 2
     assert max(report["max_abs_logit_diff_vs_float32"].values()) < 0.05
     assert "ms/token" in r.stdout and "caches of 64 positions" in r.stdout
+
+
+def test_beam_search_script(tmp_path):
+    """profiling/beam_search.py on a tiny model: both workloads timed, the copies counted (4 beams diverge, so
+    some rows are copied), the caches' bytes those of prompts x beams caches."""
+    write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "beam.json"
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "beam_search.py"), "--model", str(tmp_path / "ckpt"),
+                        "--prompts", "2", "--prompt", "5", "--tokens", "6", "--beams", "4", "--repeat", "2",
+                        "--idle-patience", "0", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["beam"]["n"] == report["greedy"]["n"] == 2 and report["beam"]["median_ms"] > 0
+    assert report["copy"]["calls"] > 0 and 0 < report["copy"]["rows"] and 0 <= report["copy"]["share"] < 1
+    assert report["cache_bytes"] == 2 * 4 * g.ModelCache(TINY, 11).nbytes
+    assert "beam / greedy" in r.stdout
