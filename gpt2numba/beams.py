@@ -18,12 +18,12 @@ and those of a shared history, are alike in every cache of one prompt).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from . import checks
-from .errors import BatchError, CacheFullError, SamplingError
+from .errors import SamplingError
 from .forward import decode_batch, prefill_batch
 from .kvcache import ModelCache, check_kv_dtype
 from .processors import Processors
@@ -69,19 +69,11 @@ def beam_search_batch(prompts, w: GPT2Weights, *, num_beams: int, max_new_tokens
     prompts."""
     checks.weights(w)
     cfg = w.config
+    checks.known_settings(settings, [f.name for f in fields(_Settings) if f.init])
     search = _Settings(num_beams=num_beams, max_new_tokens=max_new_tokens, **settings)
     search.processors.check_vocab(cfg.vocab_size, default_eos=settings.get("eos_token_id") is None)
     kv_dtype = checks.labelled("kv_dtype: ", check_kv_dtype, "float32" if kv_dtype is None else kv_dtype)
-    prompts = checks.sequence(prompts, "prompts")
-    if not prompts:
-        raise BatchError("no prompts: give at least one")
-    checked = []
-    for i, prompt in enumerate(prompts):
-        ids = [int(t) for t in checks.labelled(f"prompt {i}: ", checks.token_ids, prompt, cfg.vocab_size)]
-        if len(ids) + max_new_tokens > cfg.n_positions:
-            raise CacheFullError(f"prompt {i}: {len(ids)} tokens + max_new_tokens ({max_new_tokens}) = "
-                                 f"{len(ids) + max_new_tokens} passes the model's context of {cfg.n_positions}")
-        checked.append(ids)
+    checked = checks.prompts(prompts, cfg, max_new_tokens)
     beams = [_Beams(ids, search, [ModelCache(cfg, len(ids) + max_new_tokens, kv_dtype) for _ in range(num_beams)])
              for ids in checked]
     logits = prefill_batch(checked, w, [b.caches[0] for b in beams])

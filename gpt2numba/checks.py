@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import GPT2Config
-from .errors import BatchError, ConfigError, GPT2NumbaError, TokenError, TokenTypeError
+from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError, SamplingError, TokenError, TokenTypeError
 
 
 def is_integer(value) -> bool:
@@ -88,3 +88,27 @@ def sequence(value, name: str) -> list:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise BatchError(f"{name} must be a sequence, got {type(value).__name__}")
     return list(value)
+
+
+def prompts(values, cfg: GPT2Config, max_new_tokens: int) -> list[list[int]]:
+    """A non-empty sequence of prompts, each checked and with room for max_new_tokens in n_positions, as lists
+    of ints; BatchError for none, TokenError / TokenTypeError / CacheFullError naming the prompt."""
+    values = sequence(values, "prompts")
+    if not values:
+        raise BatchError("no prompts: give at least one")
+    checked = []
+    for i, prompt in enumerate(values):
+        ids = [int(t) for t in labelled(f"prompt {i}: ", token_ids, prompt, cfg.vocab_size)]
+        if len(ids) + max_new_tokens > cfg.n_positions:
+            raise CacheFullError(f"prompt {i}: {len(ids)} tokens + max_new_tokens ({max_new_tokens}) = "
+                                 f"{len(ids) + max_new_tokens} passes the model's context of {cfg.n_positions} "
+                                 "positions")
+        checked.append(ids)
+    return checked
+
+
+def known_settings(given, names) -> None:
+    """SamplingError naming the first of ``given``'s keys that is not one of ``names``."""
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise SamplingError(f"unknown generation setting {unknown[0]!r}; this takes " + ", ".join(names))

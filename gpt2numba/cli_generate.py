@@ -54,7 +54,7 @@ def conflict(args) -> str | None:
 
 
 def _given(args, names) -> list[str]:
-    return [name for name in names if getattr(args, name) not in (None, False)]
+    return [name for name in names if getattr(args, name) is not None and getattr(args, name) is not False]
 
 
 def _flags(names) -> str:

@@ -11,7 +11,7 @@ from dataclasses import KW_ONLY, dataclass, field, fields
 import numpy as np
 
 from . import checks
-from .errors import BatchError, CacheFullError, ConfigError, SamplingError, TokenTypeError
+from .errors import CacheFullError, ConfigError, SamplingError, TokenTypeError
 from .batching import Batch, Sequence, SharedPrompt
 from .forward import decode_step, prefill
 from .kvcache import ModelCache, check_kv_dtype
@@ -55,7 +55,7 @@ class Sampler:
     processors: Processors = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        t, k, p = self.temperature, self.top_k, self.top_p
+        t, k = self.temperature, self.top_k
         if not checks.is_real(t) or not 0 <= t < math.inf:
             raise SamplingError(f"temperature must be a finite number >= 0, got {t!r}")
         if k is not None and (not checks.is_integer(k) or k < 1):
@@ -66,6 +66,9 @@ class Sampler:
                 raise SamplingError(f"{name} must be in (0, 1] or None, got {value!r}")
         if self.min_p is not None and (not checks.is_real(self.min_p) or not 0 <= self.min_p <= 1):
             raise SamplingError(f"min_p must be in [0, 1] or None, got {self.min_p!r}")
+        for name in ("top_p", "typical_p"):  # 1 keeps every token: off, as in transformers
+            if getattr(self, name) == 1:
+                object.__setattr__(self, name, None)
         settings = {f.name: getattr(self, f.name) for f in fields(Processors) if f.init}
         object.__setattr__(self, "processors", Processors(**settings))
 
@@ -240,17 +243,7 @@ def _batch_steps(prompts, w, *, max_new_tokens, seed=None, stop_at_eos=True, bat
     if not checks.is_integer(n) or n < 1:
         raise SamplingError(f"n must be an integer >= 1, got {n!r}")
     check_kv_dtype(kv_dtype)
-    prompts = checks.sequence(prompts, "prompts")
-    if not prompts:
-        raise BatchError("no prompts: give at least one")
-    checked = []
-    for i, prompt in enumerate(prompts):
-        ids = [int(t) for t in checks.labelled(f"prompt {i}: ", checks.token_ids, prompt, cfg.vocab_size)]
-        if len(ids) + max_new_tokens > cfg.n_positions:
-            raise CacheFullError(
-                f"prompt {i}: {len(ids)} tokens + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
-                f"passes the model's context of {cfg.n_positions} positions")
-        checked.extend([ids] * n)
+    checked = [ids for ids in checks.prompts(prompts, cfg, max_new_tokens) for _ in range(n)]
     slots = min(batch_size or len(checked), len(checked))
     rngs = [np.random.default_rng(None if seed is None else [seed, i]) for i in range(len(checked))]
     return _generate_batch(checked, w, sampler, max_new_tokens, rngs, stop_at_eos, slots, kv_dtype)
@@ -342,10 +335,7 @@ def text_stream(tokens, tokenizer: Tokenizer):
 def _settings(sampling: dict, vocab_size: int, max_new_tokens, seed) -> Sampler:
     """The Sampler of ``sampling`` (its settings by name), its ids checked against the vocabulary, once
     max_new_tokens and seed are checked too."""
-    unknown = sorted(set(sampling) - {f.name for f in fields(Sampler) if f.init})
-    if unknown:
-        raise SamplingError(f"unknown generation setting {unknown[0]!r}; the sampler takes "
-                            + ", ".join(f.name for f in fields(Sampler) if f.init))
+    checks.known_settings(sampling, [f.name for f in fields(Sampler) if f.init])
     sampler = Sampler(**sampling)
     sampler.processors.check_vocab(vocab_size, default_eos=sampling.get("eos_token_id") is None)
     if not checks.is_integer(max_new_tokens) or max_new_tokens < 0:

@@ -227,12 +227,19 @@ def test_generate_no_repeat_ngram_size(gpt2_vocab, tmp_path):
     (["--num-beams", "0"], "--num-beams: must be at least 1"),
     (["--early-stopping", "soon"], "--early-stopping: invalid choice: 'soon'"),
     (["--bad-words", ""], "--bad-words: must not be empty"),
+    # zero is a value given, not a flag left out
+    (["--num-beams", "3", "--temperature", "0"], "--temperature goes with sampling"),
+    (["--num-beams", "3", "--seed", "0", "--top-k", "0"], "--top-k, --seed go with sampling"),
+    (["--length-penalty", "0"], "--length-penalty goes with beam search"),
 ])
 def test_generate_flags_that_do_not_go_together(args, match, tmp_path):
     """Exit 2 naming the flags, before any work: the model named does not exist, and a run that got as far as
     loading it would exit 1 saying so."""
     r = run("generate", "Hi", "--model", str(tmp_path / "missing"), *args)
     assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_batch_size_does_not_go_with_beams(tmp_path):
     r = run("generate", "--prompts-file", str(tmp_path / "missing.txt"), "--num-beams", "2", "--batch-size", "2")
     assert r.returncode == 2 and "--batch-size goes with sampling, not beam search" in r.stderr
 

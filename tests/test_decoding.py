@@ -205,12 +205,12 @@ def test_the_batch_gives_each_prompt_what_it_gets_alone(tiny):
 @pytest.mark.parametrize("setting, value", [
     ("num_beams", 0), ("max_new_tokens", 0), ("length_penalty", float("nan")), ("early_stopping", "always"),
     ("num_return_sequences", 4), ("repetition_penalty", 0), ("eos_token_id", [TINY.vocab_size]),
-    ("kv_dtype", "int8"), ("max_new_tokens", TINY.n_positions),
+    ("kv_dtype", "int8"), ("max_new_tokens", TINY.n_positions), ("temperature", 0.5),
 ])
 def test_beam_search_refuses_a_bad_setting(tiny, setting, value):
     settings = {"num_beams": 3, "max_new_tokens": 4, setting: value}
     with pytest.raises(g.GPT2NumbaError, match=setting if setting != "max_new_tokens" or value == 0 else "context"):
-        g.beam_search([1, 2, 3], tiny, **settings)
+        g.beam_search_batch([[1, 2, 3]], tiny, **settings)  # (beam_search's own keywords are Python's to check)
 
 
 def test_copy_prefix_from_a_start_copies_only_the_rest_and_checks_it(tiny):

@@ -46,6 +46,7 @@ def test_cold_start_script(tmp_path):
     assert 0 < standard.run_script(standard._OURS_FIRST, tmp_path) < 600
 
 
+@pytest.mark.timeout(1200)  # (its subprocess may take up to 900 s)
 def test_bench_neighbour(tmp_path):
     """gpt2numba bench --neighbour: a workload alone and beside a busy loop at nice 0 and 10, with slowdowns."""
     write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
@@ -206,6 +207,7 @@ def _needs_ct2():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # (its subprocess may take up to 900 s)
 def test_bench_ct2(tmp_path):
     """CTranslate2 beside us on a conversion of the same tiny model (512 ids: the vocabulary is the ids), both
     formats, every workload at tiny sizes."""
@@ -237,6 +239,7 @@ def test_bench_ct2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # (its subprocess may take up to 900 s)
 def test_bench_neighbour_ct2(tmp_path):
     """CTranslate2 under the same neighbour: both compute types, every workload, at tiny sizes (its prefill is a
     generate of one token); llama.cpp's absence, or a vocabulary a GGUF cannot carry, is said, not an error."""
@@ -332,6 +335,7 @@ def test_serve_prefix_script(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # (its subprocess may take up to 900 s)
 def test_shared_prefix_script(tmp_path):
     """The prefix-sharing measurement on a tiny model: lm-eval with and without sharing gives the same numbers."""
     pytest.importorskip("lm_eval", reason="the script runs lm-eval (the [eval] extra)")

@@ -53,7 +53,7 @@ def _digests(env=None) -> dict:
         exec(compile(_SCRIPT.replace("json.dump(out, sys.stdout)", ""), "<threads>", "exec"), scope)
         return scope["out"]
     import os
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=900,
+    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=540,
                           env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
     if done.returncode:
         if "No threading layer could be loaded" in done.stderr or "is not available" in done.stderr:
