@@ -7,6 +7,8 @@
 The routes (Routes: check, submit, await; none computes) and server-sent events. Request parsing is
 requests.py, the limits admission.py, the JSON of a response responses.py, /metrics metrics.py, the
 connections and the shutdown server.py; the engine thread (engine.py) owns the weights and the batch.
+GET / is the playground (the package's view/ folder: plain HTML, CSS and JS, also under /static/), which
+talks to /v1/completions and /v1/inspect like any client.
 """
 
 from __future__ import annotations
@@ -18,21 +20,24 @@ import json
 import logging
 import time
 import uuid
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import FileResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from .. import checks
 from ..tokenizer import Tokenizer
+from ..tokenview import inspect_ids
 from ..weights import GPT2Weights
 from .admission import Limits, Refused, check_choices, check_size
 from .engine import MAX_STEP_TOKENS, PREFIX_CACHE_MB, Engine, Job
 from .metrics import CONTENT_TYPE, Metrics
-from .requests import MAX_LOGPROBS, MAX_STOPS, ApiError, checked_ids, parse_completion
-from .responses import Chunks, Whole, json_response
+from .requests import MAX_LOGPROBS, MAX_STOPS, ApiError, checked_ids, parse_completion, parse_inspect
+from .responses import Chunks, Whole, inspection_json, json_response
 
 log = logging.getLogger("gpt2numba.serve")
 
@@ -40,6 +45,11 @@ __all__ = ["ApiError", "MAX_LOGPROBS", "MAX_STOPS", "Routes", "create_app", "par
 
 PARSE_INLINE_BYTES = 2**16  # bodies up to this size are parsed on the event loop; larger ones in a thread,
 PARSE_THREADS = 2  # so many at a time (each may hold a few hundred thousand prompts while it checks them)
+
+VIEW = Path(__file__).resolve().parent.parent / "view"  # the playground's files (package data)
+# The page may load and ask nothing but this server: no CDN, font, or analytics, even if one slipped in.
+PAGE_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
 def create_app(w: GPT2Weights, tokenizer: Tokenizer, *, model_name: str = "gpt2", max_batch: int = 16,
@@ -62,7 +72,10 @@ def create_app(w: GPT2Weights, tokenizer: Tokenizer, *, model_name: str = "gpt2"
     routes = Routes(engine, tokenizer, metrics, model_name=model_name, api_key=api_key,
                     max_body_bytes=max_body_bytes)
     app = Starlette(routes=[
+        Route("/", routes.page, methods=["GET"]),
+        Mount("/static", StaticFiles(directory=VIEW), name="static"),
         Route("/v1/completions", routes.completions, methods=["POST"]),
+        Route("/v1/inspect", routes.inspect, methods=["POST"]),
         Route("/v1/models", routes.models, methods=["GET"]),
         Route("/health", routes.health, methods=["GET"]),
         Route("/metrics", routes.prometheus, methods=["GET"]),
@@ -134,16 +147,16 @@ class Routes:
             self.metrics.answered(500)
             raise
 
+    async def off_loop(self, parse, body: bytes):
+        """parse(body); a large body (many prompts, long texts) is parsed and tokenised off the event loop."""
+        if len(body) <= PARSE_INLINE_BYTES:
+            return parse(body)
+        async with self._parsing:
+            return await asyncio.to_thread(parse, body)
+
     async def _complete(self, request):
         self.authorised(request)
-        body = await self.read_body(request)
-        # a large body (many prompts, long texts) is parsed and tokenised off the event loop
-        if len(body) <= PARSE_INLINE_BYTES:
-            r = self.parse(body)
-        else:
-            async with self._parsing:
-                r = await asyncio.to_thread(self.parse, body)
-        del body
+        r = await self.off_loop(self.parse, await self.read_body(request))
         job = Job(r, asyncio.get_running_loop())
         try:
             self.engine.submit(job)
@@ -213,6 +226,37 @@ class Routes:
             del chunks
             self.metrics.answered(status)  # before [DONE]: a client that has read it finds its answer counted
         yield "data: [DONE]\n\n"
+
+    async def inspect(self, request):
+        """POST /v1/inspect: every token of a text with its log-probability, rank and alternatives
+        (tokenview.py), computed and serialised on the engine thread between two steps."""
+        self.authorised(request)
+        cfg, tokenizer, w, kv_dtype = self.cfg, self.tokenizer, self.engine.w, self.engine.batch.kv_dtype
+        r = await self.off_loop(lambda body: parse_inspect(_json(body), tokenizer, cfg.n_positions, cfg.vocab_size),
+                                await self.read_body(request))
+        name = self.model_name
+
+        def inspection() -> str:  # the engine thread's
+            return inspection_json(inspect_ids(r.ids, w, tokenizer, top_logprobs=r.top_logprobs,
+                                               kv_dtype=kv_dtype), name)
+        try:
+            future = self.engine.call(inspection, asyncio.get_running_loop())
+            gone = asyncio.ensure_future(_disconnected(request))
+            try:
+                await asyncio.wait({future, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+            if not future.done():  # the client went away: the call does not run if it has not yet
+                future.cancel()
+                raise ApiError(499, "the client closed the connection before the response")
+            return Response(future.result(), media_type="application/json")
+        except Refused as e:  # QueueFull, now or at shutdown: the message names the limit and its flag
+            raise ApiError(e.status, e.message, kind="server_error", headers={"Retry-After": "1"}) from None
+
+    async def page(self, request):
+        """GET /: the playground. Open, as /health is: it holds no data (its requests send the key)."""
+        return FileResponse(VIEW / "index.html", headers={"Content-Security-Policy": PAGE_POLICY,
+                                                          "Cache-Control": "no-cache"})
 
     async def models(self, request):
         self.authorised(request)

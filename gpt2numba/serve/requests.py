@@ -1,15 +1,18 @@
 """A POST /v1/completions body, checked: parse_completion returns a Completion or raises ApiError naming the
-field (the HTTP status and OpenAI's error object). No HTTP framework here.
+field (the HTTP status and OpenAI's error object); parse_inspect does the same for POST /v1/inspect. No HTTP
+framework here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 from ..processors import MAX_BIAS
 from ..sample import Sampler, prompt_ids
 from ..tokenizer import EOT_ID, Tokenizer
+from ..tokenview import MAX_TOP
 from .engine import Completion
 
 
@@ -65,15 +68,7 @@ _FIELDS = {
 
 def parse_completion(body, tokenizer: Tokenizer, n_positions: int, vocab_size: int) -> Completion:
     """A POST /v1/completions body (parsed JSON), checked; ApiError(400) naming the field otherwise."""
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}")
-    for name, value in body.items():
-        if name not in _FIELDS:
-            raise ApiError(400, f"unrecognized request argument supplied: {name}", name)
-        types, what = _FIELDS[name]
-        is_bool = isinstance(value, bool)
-        if value is not None and (not isinstance(value, types) or is_bool and bool not in types):
-            raise ApiError(400, f"{name} must be {what}, got {json.dumps(value)[:80]}", name)
+    _typed(body, _FIELDS)
     get = body.get
     if get("suffix"):
         raise ApiError(400, "suffix is not supported", "suffix")
@@ -105,6 +100,57 @@ def parse_completion(body, tokenizer: Tokenizer, n_positions: int, vocab_size: i
         include_usage=bool(options.get("include_usage")),
         logprobs=_in_range(get("logprobs"), None, 0, MAX_LOGPROBS, "logprobs"),
         echo=bool(get("echo")), ignore_eos=bool(get("ignore_eos")))
+
+
+@dataclasses.dataclass(frozen=True)
+class Inspect:
+    """A checked POST /v1/inspect body."""
+
+    ids: list[int]  # the text's tokens (<|endoftext|> goes before them in the pass, not here)
+    top_logprobs: int  # alternatives per token
+
+
+DEFAULT_TOP = 5  # alternatives per token when a request does not say: what the page's tip shows
+
+_INSPECT_FIELDS = {
+    "model": ((str,), "a string"),
+    "text": ((str,), "a string"),
+    "prompt": ((list,), "a list of token ids"),
+    "top_logprobs": ((int,), "an integer"),
+}
+
+
+def parse_inspect(body, tokenizer: Tokenizer, n_positions: int, vocab_size: int) -> Inspect:
+    """A POST /v1/inspect body: {"text": str} or {"prompt": [ids]}, and "top_logprobs" (0 to MAX_TOP, default
+    DEFAULT_TOP); ApiError(400) naming the field otherwise. The tokens must fit the context with <|endoftext|>
+    before them: at most n_positions - 1."""
+    _typed(body, _INSPECT_FIELDS)
+    text, prompt = body.get("text"), body.get("prompt")
+    if (text is None) == (prompt is None):
+        raise ApiError(400, 'give "text" (a string) or "prompt" (a list of token ids): one of them',
+                       "text" if text is None else "prompt")
+    field = "text" if prompt is None else "prompt"
+    ids = tokenizer.encode(text) if prompt is None else checked_ids(prompt, vocab_size, "") if prompt else []
+    if not ids:
+        raise ApiError(400, f"{field} must not be empty", field)
+    if len(ids) > n_positions - 1:
+        raise ApiError(400, f"this model's maximum context length is {n_positions} tokens, and inspecting takes "
+                       f"one before the text (<|endoftext|>): at most {n_positions - 1} tokens; {field} has "
+                       f"{len(ids)}", field)
+    return Inspect(ids, _in_range(body.get("top_logprobs"), DEFAULT_TOP, 0, MAX_TOP, "top_logprobs"))
+
+
+def _typed(body, fields: dict) -> None:
+    """ApiError(400) unless ``body`` is a JSON object of known ``fields``, each of its types or null."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}")
+    for name, value in body.items():
+        if name not in fields:
+            raise ApiError(400, f"unrecognized request argument supplied: {name}", name)
+        types, what = fields[name]
+        is_bool = isinstance(value, bool)
+        if value is not None and (not isinstance(value, types) or is_bool and bool not in types):
+            raise ApiError(400, f"{name} must be {what}, got {json.dumps(value)[:80]}", name)
 
 
 def _sampler(get, max_tokens: int, vocab_size: int) -> Sampler:

@@ -21,6 +21,12 @@ def json_response(content, status: int = 200, headers: dict | None = None) -> Re
     return Response(json.dumps(content), status_code=status, headers=headers, media_type="application/json")
 
 
+def inspection_json(inspection, model: str) -> str:
+    """POST /v1/inspect's answer: every token of a tokenview.Inspection, its perplexity and its count."""
+    return json.dumps({"object": "inspection", "model": model, "tokens": inspection.tokens(),
+                       "perplexity": inspection.perplexity, "usage": {"prompt_tokens": len(inspection.ids)}})
+
+
 def usage(r: Completion, completion_tokens: int) -> dict:
     prompt_tokens = sum(map(len, r.prompts))  # once per prompt, whatever n
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
