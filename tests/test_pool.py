@@ -149,10 +149,14 @@ def test_a_thread_that_stops_running_is_moved_to_the_callers_cpu():
     """The rescue, driven by hand: worker 1 asleep (its CPU time still) but marked as holding an entry.
     The caller's second look moves it to the caller's CPU; after its next job it pins itself back."""
     tid = int(pool._state[pool.TIDS + 8])
-    # a rescue in an earlier test (on a busy machine) may have moved it after its last job's end:
-    # a job's start puts it back
-    _ids(8, np.zeros(8, np.int64))
-    time.sleep(0.05)  # past its spinning: asleep
+    # a rescue in an earlier test, or during the job below (on a busy machine the caller may find the worker
+    # stalled), may have moved it: a job's start puts it back, so run jobs until one ends with it at home
+    deadline = time.monotonic() + 10
+    while True:
+        _ids(8, np.zeros(8, np.int64))
+        time.sleep(0.05)  # past its spinning: asleep
+        if os.sched_getaffinity(tid) == {pool._cpus[1]} or time.monotonic() > deadline:
+            break
     assert os.sched_getaffinity(tid) == {pool._cpus[1]}
     with pool.pinned():
         pool._state[pool.RUNNING + 8] = 1
