@@ -6,7 +6,8 @@ of a text in one forward pass over <|endoftext|> + the text's ids: the first tok
 <|endoftext|>, as lm-eval's rolling log-likelihood does, so every token has a probability. The pass is
 forward._forward over every row, as scoring.py's; its head turns HEAD_ROWS rows at a time into logits
 and keeps, per row, their log-sum-exp, the target's logit, how many logits are larger and the k
-largest (argpartition): no (tokens, vocab) array exists, only (HEAD_ROWS, vocab) at a time.
+largest (_rows, one kernel with two passes over a row): no (tokens, vocab) array exists, only
+(HEAD_ROWS, vocab) at a time.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import dataclasses
 import math
 
 import numpy as np
+from numba import njit, prange
 
 from . import checks
+from .chunks import _claim
 from .errors import ConfigError, TokenError, TokenTypeError
 from .forward import _forward, _logits_head, _prompt
+from .kernels import FASTMATH, _exp_inplace
 from .kvcache import ModelCache, check_kv_dtype
 from .sample import _tokenizer
 from .tokenizer import Tokenizer
@@ -93,7 +97,7 @@ def inspect_ids(ids, w: GPT2Weights, tokenizer: Tokenizer | None = None, *, top_
         for r0 in range(0, T, HEAD_ROWS):
             r1 = min(T, r0 + HEAD_ROWS)
             _rows(logits_of(h[r0:r1], chunks), ids[r0:r1], logprobs[r0:r1], ranks[r0:r1], top_ids[r0:r1],
-                  top_values[r0:r1])
+                  top_values[r0:r1], chunks)
 
     _forward([_prompt(fed, w, mc, "")], w, [mc], head, every_row=True)
     text_of = _Texts(tokenizer)
@@ -111,27 +115,52 @@ def inspect_text(text: str, w: GPT2Weights, tokenizer: Tokenizer | None = None, 
     return inspect_ids(tokenizer.encode(text), w, tokenizer, **options)
 
 
-def _rows(logits: np.ndarray, targets: np.ndarray, logprob: np.ndarray, rank: np.ndarray, top_ids: np.ndarray,
-          top_values: np.ndarray) -> None:
-    """What a row of logits says of its target, into the outputs' rows.
+@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+def _rows(logits, targets, logprob, rank, top_ids, top_values, n_chunks):
+    """What each row of logits says of its target, into the outputs' rows; rows claimed one at a time.
 
-    logits: float32 (R, V); targets: int64 (R,); logprob: float64 (R,), log softmax at the target;
-    rank: int64 (R,), 1 + the logits strictly above the target's; top_ids: int64 (R, k) and
-    top_values: float64 (R, k), the k largest as log-probabilities, largest first, equal ones by id.
+    logits: float32 (R, V); targets: int64 (R,); logprob: float64 (R,), log softmax at the target (as
+    scoring's fused head: float32 exponentials of logit - max, kernels._exp_inplace's, summed in float64);
+    rank: int64 (R,), 1 + the logits strictly above the target's; top_ids: int64 (R, k) and top_values:
+    float64 (R, k), the k largest as log-probabilities, largest first, equal ones by the lower id.
     """
-    R, k = len(targets), top_ids.shape[1]
-    target = logits[np.arange(R), targets]  # (R,)
-    peak = logits.max(axis=1)  # (R,)
-    # as scoring's fused head: float32 exp of (logit - max), summed in float64
-    lse = peak + np.log(np.exp(logits - peak[:, None]).sum(axis=1, dtype=np.float64))  # (R,)
-    logprob[:] = target - lse
-    rank[:] = 1 + (logits > target[:, None]).sum(axis=1)
-    if k:
-        best = np.argpartition(logits, -k, axis=1)[:, -k:]  # (R, k), in no order
-        values = np.take_along_axis(logits, best, axis=1)
-        order = np.lexsort((best, -values), axis=1)  # largest first, then the lower id
-        top_ids[:] = np.take_along_axis(best, order, axis=1)
-        top_values[:] = np.take_along_axis(values, order, axis=1) - lse[:, None]
+    R, V = logits.shape
+    k = top_ids.shape[1]
+    nxt = np.zeros(1, np.int64)  # the next row (chunks.py)
+    for _ in prange(n_chunks):
+        e = np.empty(V, np.float32)  # (V,) logit - max, then its exponential
+        bits = np.empty(V, np.int32)
+        best = np.empty(max(k, 1), np.float32)  # (k,) the largest logits so far, largest first
+        which = np.empty(max(k, 1), np.int64)
+        r = _claim(nxt)
+        while r < R:
+            row = logits[r]
+            own, peak, above = row[targets[r]], row.max(), 0
+            for t in range(V):
+                e[t] = row[t] - peak
+                above += row[t] > own
+            _exp_inplace(e, bits)
+            total = 0.0
+            for t in range(V):
+                total += e[t]
+            lse = np.float64(peak) + math.log(total)
+            logprob[r] = np.float64(own) - lse
+            rank[r] = 1 + above
+            filled = 0
+            for t in range(V if k else 0):  # ids in order: an equal logit never passes one before it
+                v = row[t]
+                if filled == k and not v > best[k - 1]:
+                    continue
+                at = min(filled, k - 1)
+                while at > 0 and best[at - 1] < v:
+                    best[at], which[at] = best[at - 1], which[at - 1]
+                    at -= 1
+                best[at], which[at] = v, t
+                filled = min(filled + 1, k)
+            for j in range(k):
+                top_ids[r, j] = which[j]
+                top_values[r, j] = np.float64(best[j]) - lse
+            r = _claim(nxt)
 
 
 class _Texts:

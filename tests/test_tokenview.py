@@ -167,3 +167,20 @@ def test_bad_arguments(w, tokenizer):
         inspect_text(b"bytes", w, tokenizer)
     got = inspect_ids([1, 2], w, tokenizer, top_logprobs=0)
     assert got.top_ids.shape == (2, 0) and got.tokens()[0]["top_logprobs"] == []
+
+
+def test_the_row_kernel_on_ties():
+    """tokenview._rows on logits with ties, against a plain loop: a rank counts only the logits strictly above
+    (a tie with the likeliest is rank 1), equal alternatives come by the lower id, the log-sum-exp is the row's.
+    Catches >= for >, a later id kept ahead of an equal earlier one, rows mixed up."""
+    logits = np.array([[1, 3, 3, 2, 3, 0], [0, 0, 0, 0, 0, 5], [2, 2, 2, 2, 2, 2]], np.float32)
+    targets = np.array([0, 5, 4])
+    k = 4
+    logprob, rank = np.empty(3), np.empty(3, np.int64)
+    top_ids, top_values = np.empty((3, k), np.int64), np.empty((3, k))
+    tokenview._rows(logits, targets, logprob, rank, top_ids, top_values, 4)
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(axis=1))
+    np.testing.assert_allclose(logprob, logits[np.arange(3), targets] - lse, rtol=0, atol=1e-6)
+    assert rank.tolist() == [5, 1, 1]
+    assert top_ids.tolist() == [[1, 2, 4, 3], [5, 0, 1, 2], [0, 1, 2, 3]]
+    np.testing.assert_allclose(top_values, np.take_along_axis(logits, top_ids, axis=1) - lse[:, None], atol=1e-6)
