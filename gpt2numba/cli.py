@@ -4,6 +4,7 @@ are defined here; generate's work is in cli_generate.py, bench's in the bench pa
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from .oracle import ATOL, ATOL_INTEGER, RTOL, agreement, recompute_logits
 from .compact import DTYPES, INTEGER
 from .documents import field_of, split
 from .models import resolve_model  # re-exported: gpt2numba.cli.resolve_model
+from .report import REPORT_DOCUMENTS
 from .serve.engine import MAX_STEP_TOKENS, PREFIX_CACHE_MB  # (the engine needs no web framework)
 
 
@@ -111,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
                        "start a local one (needs the [ray] extra; files, not stdin)")
     score.add_argument("--output", type=Path, metavar="DIR", help="with --ray: write the scored dataset to DIR")
     score.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="with --output (default jsonl)")
+    score.add_argument("--html", type=Path, metavar="REPORT",
+                       help="instead of the JSON lines, write the tokens of the first documents (--html-documents, "
+                       f"default {REPORT_DOCUMENTS}) coloured by probability or rank into one self-contained HTML "
+                       "file (no server, nothing fetched); each document's first n_positions - 1 tokens")
+    score.add_argument("--html-documents", type=_at_least(1), default=REPORT_DOCUMENTS, metavar="N",
+                       help=f"with --html: how many documents, from the first (default {REPORT_DOCUMENTS})")
 
     serve = commands.add_parser(
         "serve", parents=[weights],
@@ -225,6 +233,8 @@ def _score(args) -> int:
     from .scoring import score_batch
     from .tokenizer import load_tokenizer
 
+    if args.html:
+        return _score_html(args)
     if args.ray or args.output:
         return _score_ray(args)
     w, path, _ = resolve_model(args.model, args.dtype)
@@ -256,6 +266,29 @@ def _score(args) -> int:
           f"{seconds:.1f} s, {tokens / max(seconds, 1e-9):.0f} tokens/s", file=sys.stderr)
     if failure is not None:
         raise failure
+    return 0
+
+
+def _score_html(args) -> int:
+    """score --html: the first --html-documents documents, each inspected (tokenview.py) in one pass of its first
+    n_positions - 1 tokens, written as one HTML file (report.py)."""
+    from .report import Document, html_report
+    from .tokenizer import load_tokenizer
+    from .tokenview import inspect_ids
+
+    if args.ray or args.output:
+        raise GPT2NumbaError("--html goes without --ray and --output")
+    w, path, source = resolve_model(args.model, args.dtype)
+    tokenizer, limit = load_tokenizer(path), w.config.n_positions - 1
+    documents = []
+    for name, index, text in itertools.islice(_documents(args), args.html_documents):
+        ids = tokenizer.encode(text)
+        note = f"The first {limit} of its {len(ids)} tokens: one pass of the context." if len(ids) > limit else ""
+        inspection = inspect_ids(ids[:limit], w, tokenizer, kv_dtype=args.kv_dtype) if ids else None
+        documents.append(Document(f"{name}, document {index}", inspection, note))
+    args.html.write_text(html_report(documents, source), encoding="utf-8")
+    tokens = sum(len(d.inspection.ids) for d in documents if d.inspection is not None)
+    print(f"gpt2numba: wrote {args.html}: {len(documents)} documents, {tokens} tokens", file=sys.stderr)
     return 0
 
 

@@ -28,7 +28,7 @@ const TokenView = (() => {
   };
   const percent = (logprob) => {
     const p = 100 * Math.exp(logprob);
-    return p >= 1 ? `${p.toFixed(1)}%` : p >= 0.01 ? `${p.toFixed(2)}%` : `${p.toExponential(1)}%`;
+    return p >= 1 ? `${p.toFixed(1)}%` : `${p.toPrecision(2)}%`;
   };
   // a token's text with its spaces, newlines and tabs made visible
   const visible = (text) => text.replace(/ /g, "␣").replace(/\n/g, "↵").replace(/\t/g, "⇥") || "∅";
