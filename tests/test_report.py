@@ -21,7 +21,7 @@ from gpt2numba.tokenview import inspect_ids
 
 DOCUMENTS = [
     "The café on the corner serves tea; see https://example.com/menu or http://example.org.",
-    "日本語 and \"quotes\" & <tags> stay text.",  # split characters, and what HTML must escape
+    "日本語 and \"quotes\" & <tags> or </b> stay text.",  # split characters, and what HTML must escape
     " and".join(["long"] * 60),  # past TINY_GPT2's 63 tokens: cut to them
     "not in the report",
 ]
@@ -139,3 +139,31 @@ def test_html_refuses_ray(tmp_path):
                         str(tmp_path / "a.txt")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 1 and "--html goes without --ray" in r.stderr
     assert not (tmp_path / "r.html").exists()
+
+
+def test_titles_and_notes_are_text():
+    """A heading with markup, an entity and a URL in it reads back as the same text, and leaves no http:// in the
+    file. Catches a title or note written unescaped (GPT-2's tokens alone never make a tag: "<" and "/" are
+    tokens of their own, so the documents above cannot show it)."""
+    from gpt2numba.report import Document, html_report
+
+    w, tokenizer = g.random_weights(TINY_GPT2, seed=4), g.load_tokenizer()
+    title, note = 'a <b>bold</b> &amp; "q" from http://example.com', "cut <here> & there"
+    text = html_report([Document(title, inspect_ids(tokenizer.encode("Hi"), w, tokenizer), note)], "<model>")
+    texts = {}
+
+    class Headings(html.parser.HTMLParser):
+        tag = None
+
+        def handle_starttag(self, tag, attrs):
+            self.tag = tag
+
+        def handle_endtag(self, tag):
+            self.tag = None
+
+        def handle_data(self, data):
+            texts[self.tag] = texts.get(self.tag, "") + data
+
+    Headings().feed(text)
+    assert texts["h2"] == title and note in texts["p"] and "<model>" in texts["p"]
+    assert "http://" not in text
