@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         "serve", parents=[weights],
         help="an OpenAI-compatible HTTP server with continuous batching (the [serve] extra)",
         description="Serve the model over HTTP, speaking OpenAI's completions API (/v1/completions, "
-        "/v1/models) plus /health, /tokenize and /detokenize. Requests share decode steps.")
+        "/v1/models) plus /health, /tokenize, /detokenize and /v1/inspect (every token's probability and rank); "
+        "GET / is a playground page. Requests share decode steps.")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=_at_least(0), default=8000, help="default 8000")
     serve.add_argument("--max-batch", type=_at_least(1), default=16, metavar="N",
