@@ -103,12 +103,12 @@ def main(argv=None) -> int:
     print(f"GPT-2 {w.config.n_layer} layers, {w.dtype} weights, {g.get_threads()} threads; {args.prompts} prompts of "
           f"{args.prompt} ids, {args.tokens} new tokens; medians of {args.repeat} runs, alternating; others' CPU "
           f"{100 * load.share:.1f}%")
-    print(f"beam search, {args.beams} beams       {beam_s:8.2f} s")
-    print(f"greedy, {len(rows)} rows             {greedy_s:8.2f} s   beam / greedy {beam_s / greedy_s:.2f}x")
     c = report["copy"]
-    print(f"copying cache rows               {c['seconds']:8.2f} s   {100 * c['share']:.1f}% of the search; "
+    print(f"{f'beam search, {args.beams} beams':<24} {beam_s:8.2f} s")
+    print(f"{f'greedy, {len(rows)} rows':<24} {greedy_s:8.2f} s    beam / greedy {beam_s / greedy_s:.2f}x")
+    print(f"{'copying cache rows':<24} {c['seconds']:8.2f} s    {100 * c['share']:.1f}% of the search; "
           f"{c['calls']:.0f} copies, {c['rows']:.0f} rows a search")
-    print(f"the search's caches              {cache_bytes / 2**20:8.0f} MiB  (peak resident set of the process "
+    print(f"{'the search caches':<24} {cache_bytes / 2**20:8.0f} MiB  (the process's peak resident set "
           f"{report['peak_rss_bytes'] / 2**20:.0f} MiB, weights included)")
     if args.json:
         with open(args.json, "w") as f:

@@ -383,3 +383,18 @@ def test_beam_search_script(tmp_path):
     assert report["copy"]["calls"] > 0 and 0 < report["copy"]["rows"] and 0 <= report["copy"]["share"] < 1
     assert report["cache_bytes"] == 2 * 4 * g.ModelCache(TINY, 11).nbytes
     assert "beam / greedy" in r.stdout
+
+
+def test_inspect_vs_score_script(tmp_path):
+    """/v1/inspect against score() on a tiny model with GPT-2's vocabulary: every workload timed, ratios printed."""
+    pytest.importorskip("httpx", reason="the script's client needs httpx (the [serve] extra)")
+    write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "inspect.json"
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "inspect_vs_score.py"), "--model", str(tmp_path / "ckpt"),
+                        "--tokens", "40", "--repeat", "2", "--threads", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["tokens"] == 40 and "score" in report["seconds"] and len(report["seconds"]) >= 3
+    assert all(len(times) == 2 and min(times) > 0 for times in report["seconds"].values())
+    assert "x score" in r.stdout
