@@ -398,3 +398,19 @@ def test_inspect_vs_score_script(tmp_path):
     assert report["tokens"] == 40 and "score" in report["seconds"] and len(report["seconds"]) >= 3
     assert all(len(times) == 2 and min(times) > 0 for times in report["seconds"].values())
     assert "x score" in r.stdout
+
+
+@pytest.mark.skipif(not (Path("/usr/bin/chromium").exists() and Path("/usr/bin/chromedriver").exists()),
+                    reason="the page's drawing is timed in Debian's headless Chromium: apt-get install chromium "
+                           "chromium-driver")
+def test_page_paint_script(tmp_path):
+    """The playground's drawing timed on a tiny model: one span.tok per token, a time per drawing."""
+    pytest.importorskip("selenium", reason="the script drives Chromium with selenium (the test extra)")
+    write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "paint.json"
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "page_paint.py"), "--model", str(tmp_path / "ckpt"),
+                        "--tokens", "50", "--repeat", "2", "--json", str(out)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["tokens"] == report["spans"] == 50 and len(report["ms"]) == 2 and min(report["ms"]) > 0
