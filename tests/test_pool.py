@@ -145,6 +145,28 @@ def test_the_caller_is_pinned_for_a_pass_only():
 
 
 @pytest.mark.skipif(not pool._cpus, reason="the pool pins its threads only when they cover every CPU")
+def _wait_until_asleep(tid, deadline_s=10.0):
+    """Until the thread's CPU time stands still over 50 ms (past its spinning, asleep): on a busy machine a
+    fixed pause may end while it still spins, and the rescue then rightly leaves a running thread alone."""
+    def cpu_ns():
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                return int(f.read().split()[0])
+        except FileNotFoundError:  # (a kernel without schedstats: clock ticks)
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return int(fields[11]) + int(fields[12])
+
+    deadline = time.monotonic() + deadline_s
+    before = cpu_ns()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = cpu_ns()
+        if now == before:
+            return
+        before = now
+
+
 def test_a_thread_that_stops_running_is_moved_to_the_callers_cpu():
     """The rescue, driven by hand: worker 1 asleep (its CPU time still) but marked as holding an entry.
     The caller's second look moves it to the caller's CPU; after its next job it pins itself back."""
@@ -154,7 +176,7 @@ def test_a_thread_that_stops_running_is_moved_to_the_callers_cpu():
     deadline = time.monotonic() + 10
     while True:
         _ids(8, np.zeros(8, np.int64))
-        time.sleep(0.05)  # past its spinning: asleep
+        _wait_until_asleep(tid)
         if os.sched_getaffinity(tid) == {pool._cpus[1]} or time.monotonic() > deadline:
             break
     assert os.sched_getaffinity(tid) == {pool._cpus[1]}
