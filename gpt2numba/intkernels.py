@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from .chunks import _claim
+from .chunks import _claimed, _span
 from .compact import GROUP as _GROUP
 from .kernels import _as_float32, _as_uint32, _x86_features
 
@@ -329,35 +329,33 @@ def _quantize_rows(x, xq, xs):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _int_rows(xq, xs, w, scale, b, out, accumulate, n_blocks):
+def _int_rows(xq, xs, w, scale, b, out, accumulate, n_chunks):
     """out (+)= x @ W.T (+ b) for a few rows, W an integer matrix read as stored.
 
     xq: int8 (T, K) in [-127, 127], xs: (T, K // GROUP), the quantised input rows; w: int8 (N, K) or
     packed int4 uint8 (N, K // 2); scale: (N, K // GROUP); b: (N,) or None; out: (T, N).
-    Each thread takes a block of W's rows (whole cache lines of out) and, while a
-    row is in cache, its dot product with every input row: per group, an int32 sum
-    of products, scaled by the two groups' scales.
+    A chunk is a span of W's rows (whole cache lines of out); while a row is in
+    cache, its dot product with every input row: per group, an int32 sum of
+    products, scaled by the two groups' scales.
     """
     T = xq.shape[0]
     N = w.shape[0]
     xc = _nibble_starts(xq, w)
-    step = ((N + n_blocks - 1) // n_blocks + 15) // 16 * 16
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
-    for _ in prange(n_blocks):
-        blk = _claim(nxt)
-        while blk < n_blocks:
-            for n in range(min(N, blk * step), min(N, (blk + 1) * step)):
+    for _ in prange(n_chunks):
+        for c in _claimed(nxt, n_chunks):
+            start, end = _span(c, n_chunks, N, 16)
+            for n in range(start, end):
                 row, srow = w[n], scale[n]
                 for t in range(T):
                     acc = _dot_row(row, srow, xq[t], xs[t], xc[t])
                     if b is not None:
                         acc += b[n]
                     out[t, n] = out[t, n] + acc if accumulate else acc
-            blk = _claim(nxt)
 
 
 @njit(cache=True, nogil=True)
-def _int_matmul(x, xq, xs, w, scale, b, out, accumulate, n_blocks):
+def _int_matmul(x, xq, xs, w, scale, b, out, accumulate, n_chunks):
     """out (+)= x @ W.T (+ b): x quantised into xq, xs (_quantize_rows), then _int_rows; one call from Python."""
     _quantize_rows(x, xq, xs)
-    _int_rows(xq, xs, w, scale, b, out, accumulate, n_blocks)
+    _int_rows(xq, xs, w, scale, b, out, accumulate, n_chunks)

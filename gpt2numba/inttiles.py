@@ -33,7 +33,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from .chunks import _claim
+from .chunks import _claimed, _span
 from .compact import GROUP as _GROUP
 from .intkernels import _MADD_WIDTH, _PMADDWD, _quantize_rows, _x86
 from .kernels import _x86_features
@@ -393,17 +393,14 @@ def _widen_rows(x, xq, xs, xw):
     """
     T, K = x.shape
     offset = _layout(xw)[1]
-    n_chunks = min(T, _ROW_CHUNKS)
     nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
-    for _ in prange(n_chunks):
-        c = _claim(nxt)
-        while c < n_chunks:
-            lo, hi = c * T // n_chunks, (c + 1) * T // n_chunks
-            _quantize_rows(x[lo:hi], xq[lo:hi], xs[lo:hi])
-            for t in range(lo, hi):
+    for _ in prange(_ROW_CHUNKS):
+        for c in _claimed(nxt, _ROW_CHUNKS):
+            start, end = _span(c, _ROW_CHUNKS, T, 1)
+            _quantize_rows(x[start:end], xq[start:end], xs[start:end])
+            for t in range(start, end):
                 for k in range(K):
                     xw[t, k] = xq[t, k] + offset
-            c = _claim(nxt)
     xw[T:] = offset
     xs[T:] = 0.0
 
@@ -457,18 +454,16 @@ def _int_tiles(xw, xs, T, w, scale, b, out, accumulate, n_workers):
     xw: int16 or uint8 (rows, K), the T input rows quantised and laid out for pairs or quads
     (_widen_rows), rows a multiple of TILE_ROWS; xs: float32 (rows, K // GROUP), 0 past T;
     w: int8 (N, K) or packed int4 uint8 (N, K // 2); scale: (N, K // GROUP); b: (N,) or None;
-    out: (T, N). Each of n_workers takes chunks of CHUNK outputs (_chunk) from an atomic
-    counter. An output's result does not depend on its chunk, nor on the thread that
-    computes it, nor on the layout.
+    out: (T, N). A chunk is CHUNK outputs (_chunk); n_workers iterations, each with buffers
+    of its own, claim them. An output's result does not depend on its chunk, nor on the
+    thread that computes it, nor on the layout.
     """
     n_chunks = (scale.shape[0] + CHUNK - 1) // CHUNK
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
     for _ in prange(n_workers):
         buffers = _chunk_buffers(xw, scale.shape[1])
-        c = _claim(nxt)
-        while c < n_chunks:
+        for c in _claimed(nxt, n_chunks):
             _chunk(xw, xs, T, w, scale, b, out, accumulate, c * CHUNK, buffers)
-            c = _claim(nxt)
 
 
 @njit(cache=True, nogil=True)

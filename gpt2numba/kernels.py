@@ -27,7 +27,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from .blas import _gemm
-from .chunks import _claim
+from .chunks import _claimed, _span
 
 # LLVM fast-math minus nnan/ninf: reassociation lets reductions vectorise, while
 # comparisons with inf or nan keep their meaning.
@@ -104,14 +104,12 @@ def _layernorm(x, g, b, eps, out):
         for i in range(T):
             _layernorm_row(x[i], g, b, eps, out[i])
         return
-    n_chunks = min(T, ROW_CHUNKS)
     nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
-    for _ in prange(n_chunks):
-        c = _claim(nxt)
-        while c < n_chunks:
-            for i in range(c * T // n_chunks, (c + 1) * T // n_chunks):
+    for _ in prange(ROW_CHUNKS):
+        for c in _claimed(nxt, ROW_CHUNKS):
+            start, end = _span(c, ROW_CHUNKS, T, 1)
+            for i in range(start, end):
                 _layernorm_row(x[i], g, b, eps, out[i])
-            c = _claim(nxt)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -140,14 +138,12 @@ def _gelu(x):
         for i in range(T):
             _gelu_row(x[i])
         return
-    n_chunks = min(T, ROW_CHUNKS)
     nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
-    for _ in prange(n_chunks):
-        c = _claim(nxt)
-        while c < n_chunks:
-            for i in range(c * T // n_chunks, (c + 1) * T // n_chunks):
+    for _ in prange(ROW_CHUNKS):
+        for c in _claimed(nxt, ROW_CHUNKS):
+            start, end = _span(c, ROW_CHUNKS, T, 1)
+            for i in range(start, end):
                 _gelu_row(x[i])
-            c = _claim(nxt)
 
 
 def _cache_of(caches, b):
@@ -378,12 +374,12 @@ def attend_width(head_dim: int, n_positions: int) -> int:
 
 
 @njit(cache=True, nogil=True)
-def _attention_plan(row0, pos0, n_head, n_blocks):
-    """Attention's work as tiles, cut into n_blocks runs of about equal cost.
+def _attention_plan(row0, pos0, n_head, n_chunks):
+    """Attention's work as tiles, cut into n_chunks runs of about equal cost.
 
     A tile is (sequence b, head h, first query i0): up to ATTEND_TILE queries of
     one head over the keys they may see; its cost is queries x keys. Returns
-    tiles: (n_tiles, 3) int64 and bounds: (n_blocks + 1,), run j being tiles
+    tiles: (n_tiles, 3) int64 and bounds: (n_chunks + 1,), run j being tiles
     bounds[j]..bounds[j+1]-1. Cutting by cost, not by sequence, keeps every
     thread busy when a long sequence sits beside short ones.
     """
@@ -403,8 +399,8 @@ def _attention_plan(row0, pos0, n_head, n_blocks):
                 tiles[j, 0], tiles[j, 1], tiles[j, 2] = b, h, i0
                 cost[j + 1] = cost[j] + m * (pos0[b] + i0 + m + ATTEND_TILE)  # + a tile's fixed cost
                 j += 1
-    bounds = np.searchsorted(cost[1:], cost[n_tiles] * np.arange(n_blocks + 1) / n_blocks)
-    bounds[0], bounds[n_blocks] = 0, n_tiles
+    bounds = np.searchsorted(cost[1:], cost[n_tiles] * np.arange(n_chunks + 1) / n_chunks)
+    bounds[0], bounds[n_chunks] = 0, n_tiles
     return tiles, bounds
 
 
@@ -433,12 +429,11 @@ def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch, half):
     D = _cache_of(ks, 0).shape[3]
     P = (scratch.shape[1] - ATTEND_TILE * D) // (ATTEND_TILE + D)
     scale = np.float32(1.0 / math.sqrt(D))
-    n_runs = bounds.size - 1
-    nxt = np.zeros(1, np.int64)  # the next run of tiles (chunks.py)
-    for part in prange(min(n_runs, scratch.shape[0])):
+    n_chunks = bounds.size - 1  # the runs of tiles
+    nxt = np.zeros(1, np.int64)  # the next run (chunks.py)
+    for part in prange(min(n_chunks, scratch.shape[0])):  # part: the iteration's row of scratch
         bits = np.empty(P, np.int32)
-        run = _claim(nxt)
-        while run < n_runs:
+        for run in _claimed(nxt, n_chunks):
             for j in range(bounds[run], bounds[run + 1]):
                 b, h, i0 = tiles[j, 0], tiles[j, 1], tiles[j, 2]
                 first, start = row0[b] + i0, pos0[b] + i0  # the tile's first row, and its position
@@ -466,7 +461,6 @@ def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch, half):
                 for i in range(m):
                     for d in range(D):
                         out[first + i, h * D + d] = q[i, d]
-            run = _claim(nxt)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)

@@ -15,98 +15,83 @@ from numba.extending import overload
 
 from . import inttiles
 from .blas import _gemm
-from .chunks import _claim
+from .chunks import _claimed, _span
 from .intkernels import _widen_group
 from .kernels import FASTMATH, ROW_CHUNKS, SERIAL_ROWS, _as_float32, _exp_inplace, _x86_features
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _linear(x, w, b, scratch, out, accumulate, n_blocks, split_k):
+def _linear(x, w, b, scratch, out, accumulate, n_chunks, split_k):
     """out = x @ w + b, or out += x @ w + b when ``accumulate`` (a residual add).
 
     x: (T, K); w: (K, N); b: (N,); out: (T, N); scratch: flat float32, at least
-    n_blocks * T * N elements when ``split_k``, else T * N. Work splits into
-    n_blocks (one per thread), each a single-threaded BLAS product:
-    split_k: blocks of w's rows into partial sums, so each thread streams its
-    own part of the weights (few tokens, where reading w is the cost);
-    otherwise blocks of x's rows (many tokens, where the flops are).
+    n_chunks * T * N elements when ``split_k``, else T * N. Each chunk is a
+    single-threaded BLAS product: with split_k, a span of w's rows into partial
+    sums, so each thread streams its own part of the weights (few tokens, where
+    reading w is the cost); otherwise a span of x's rows (many tokens, where the
+    flops are).
     """
     T, K = x.shape
     N = w.shape[1]
-    if split_k:
-        partial = scratch[: n_blocks * T * N].reshape(n_blocks, T, N)
-        step = (K + n_blocks - 1) // n_blocks
-        nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
-        for _ in prange(n_blocks):
-            blk = _claim(nxt)
-            while blk < n_blocks:
-                lo = min(K, blk * step)
-                hi = min(K, lo + step)
-                if lo < hi:
-                    _gemm(x[:, lo:hi], w[lo:hi], partial[blk], False)
-                else:
-                    partial[blk] = 0.0
-                blk = _claim(nxt)
-        if T <= SERIAL_ROWS:
-            for i in range(T):
-                _sum_partials(partial, i, b, out, accumulate)
-            return
-        n_chunks = min(T, ROW_CHUNKS)
-        nxt = np.zeros(1, np.int64)
-        for _ in prange(n_chunks):
-            c = _claim(nxt)
-            while c < n_chunks:
-                for i in range(c * T // n_chunks, (c + 1) * T // n_chunks):
-                    _sum_partials(partial, i, b, out, accumulate)
-                c = _claim(nxt)
-    else:
+    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
+    if not split_k:
         product = scratch[: T * N].reshape(T, N)
-        step = (T + n_blocks - 1) // n_blocks
-        nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
-        for _ in prange(n_blocks):
-            blk = _claim(nxt)
-            while blk < n_blocks:
-                lo = min(T, blk * step)
-                hi = min(T, lo + step)
-                if lo < hi:
-                    _gemm(x[lo:hi], w, product[lo:hi], False)
-                    for i in range(lo, hi):
-                        for j in range(N):
-                            s = product[i, j] + b[j]
-                            out[i, j] = out[i, j] + s if accumulate else s
-                blk = _claim(nxt)
+        for _ in prange(n_chunks):
+            for c in _claimed(nxt, n_chunks):
+                start, end = _span(c, n_chunks, T, 1)
+                _gemm(x[start:end], w, product[start:end], False)
+                for i in range(start, end):
+                    for j in range(N):
+                        s = product[i, j] + b[j]
+                        out[i, j] = out[i, j] + s if accumulate else s
+        return
+    partial = scratch[: n_chunks * T * N].reshape(n_chunks, T, N)
+    for _ in prange(n_chunks):
+        for c in _claimed(nxt, n_chunks):
+            start, end = _span(c, n_chunks, K, 1)
+            if start < end:
+                _gemm(x[:, start:end], w[start:end], partial[c], False)
+            else:
+                partial[c] = 0.0
+    if T <= SERIAL_ROWS:
+        for i in range(T):
+            _sum_partials(partial, i, b, out, accumulate)
+        return
+    rows = np.zeros(1, np.int64)  # the next chunk of rows
+    for _ in prange(ROW_CHUNKS):
+        for c in _claimed(rows, ROW_CHUNKS):
+            start, end = _span(c, ROW_CHUNKS, T, 1)
+            for i in range(start, end):
+                _sum_partials(partial, i, b, out, accumulate)
 
 
 @njit(cache=True, nogil=True)
 def _sum_partials(partial, i, b, out, accumulate):
-    """out[i] (+)= b + the sum over blocks of partial[:, i]. partial: (n_blocks, T, N)."""
+    """out[i] (+)= b + the sum over chunks of partial[:, i]. partial: (n_chunks, T, N)."""
     for j in range(out.shape[1]):
         s = b[j]
-        for blk in range(partial.shape[0]):
-            s += partial[blk, i, j]
+        for c in range(partial.shape[0]):
+            s += partial[c, i, j]
         out[i, j] = out[i, j] + s if accumulate else s
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _head_rows(wte, h, out, n_blocks):
+def _head_rows(wte, h, out, n_chunks):
     """Tied output head for a few rows: out = h @ W.T, W = widen(wte), read as stored.
 
-    wte: (V, C) float32 or bfloat16 bits; h: (R, C); out: (R, V). Each thread streams a block
-    of vocabulary rows, four at a time, and takes every row's dot products with them while
+    wte: (V, C) float32 or bfloat16 bits; h: (R, C); out: (R, V). A chunk is a span of
+    vocabulary rows, streamed four at a time, every row's dot products taken with them while
     they are in cache.
     """
     V = wte.shape[0]
-    step = ((V + n_blocks - 1) // n_blocks + 3) // 4 * 4
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
-    for _ in prange(n_blocks):
-        blk = _claim(nxt)
-        while blk < n_blocks:
-            lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
-            for v in range(lo, hi - 3, 4):
+    for _ in prange(n_chunks):
+        for c in _claimed(nxt, n_chunks):
+            start, end = _span(c, n_chunks, V, 4)
+            for v in range(start, end - 3, 4):
                 _head_dots(h, wte, v, 4, out)
-            for v in range(hi - (hi - lo) % 4, hi):
+            for v in range(end - (end - start) % 4, end):
                 _head_dots(h, wte, v, 1, out)
-            blk = _claim(nxt)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -188,126 +173,114 @@ ROWS_MAX, BF16_ROWS_MAX, HEAD_ROWS_MAX = _rows_max()
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _linear_rows(x, w, b, scratch, out, accumulate, n_blocks):
+def _linear_rows(x, w, b, scratch, out, accumulate, n_chunks):
     """out (+)= x @ W + b for a few rows, reading W as stored: float32 or bfloat16 bits.
 
-    x: (T, K), K a multiple of 8; w: (K, N); b: (N,); out: (T, N); scratch: flat float32 of at least (T + 1) * N. Each thread
-    takes a block of columns and streams its part of w eight rows at a time, updating
-    two rows of accumulators per pass: every weight read serves two rows of x (an odd
+    x: (T, K), K a multiple of 8; w: (K, N); b: (N,); out: (T, N); scratch: flat float32 of at least (T + 1) * N. A chunk
+    is a span of columns (whole cache lines), its part of w streamed eight rows at a time,
+    updating two rows of accumulators per pass: every weight read serves two rows of x (an odd
     last row is paired with itself, its twin's sums going to a spare row).
     """
     T, K = x.shape
     N = w.shape[1]
-    step = ((N + n_blocks - 1) // n_blocks + 15) // 16 * 16  # whole cache lines per thread
     rows = T + T % 2
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
-    for _ in prange(n_blocks):
-        blk = _claim(nxt)
-        while blk < n_blocks:
-            lo, hi = min(N, blk * step), min(N, (blk + 1) * step)
-            acc = scratch[rows * lo: rows * hi].reshape(rows, hi - lo)
+    for _ in prange(n_chunks):
+        for c in _claimed(nxt, n_chunks):
+            start, end = _span(c, n_chunks, N, 16)
+            acc = scratch[rows * start: rows * end].reshape(rows, end - start)
             acc[:] = 0.0
             for k in range(0, K, 8):
                 for t in range(0, T, 2):
-                    _rows_update(x, t, min(t + 1, T - 1), k, w, lo, hi, acc[t], acc[t + 1])
+                    _rows_update(x, t, min(t + 1, T - 1), k, w, start, end, acc[t], acc[t + 1])
             for t in range(T):
-                for j in range(hi - lo):
-                    v = acc[t, j] + b[lo + j]
-                    out[t, lo + j] = out[t, lo + j] + v if accumulate else v
-            blk = _claim(nxt)
+                for j in range(end - start):
+                    v = acc[t, j] + b[start + j]
+                    out[t, start + j] = out[t, start + j] + v if accumulate else v
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _head(wte, h, out, n_blocks):
+def _head(wte, h, out, n_chunks):
     """Tied output head: out = h @ wte.T.
 
-    wte: (V, C); h: (R, C); out: (R, V). Each of n_blocks threads streams a block
-    of vocabulary rows: one matrix-vector product for one row, else a product
-    per HEAD_CHUNK of them.
+    wte: (V, C); h: (R, C); out: (R, V). A chunk is a span of vocabulary rows:
+    one matrix-vector product for one row, else a product per HEAD_CHUNK of them.
     """
     V = wte.shape[0]
     R = h.shape[0]
-    step = (V + n_blocks - 1) // n_blocks
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
-    for _ in prange(n_blocks):
-        blk = _claim(nxt)
-        while blk < n_blocks:
-            lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+    for _ in prange(n_chunks):
+        for c in _claimed(nxt, n_chunks):
+            start, end = _span(c, n_chunks, V, 1)
             if R == 1:
-                _gemm(h, wte[lo:hi], out[:, lo:hi], True)
+                _gemm(h, wte[start:end], out[:, start:end], True)
             else:
-                for c0 in range(lo, hi, HEAD_CHUNK):
-                    c1 = min(hi, c0 + HEAD_CHUNK)
+                for c0 in range(start, end, HEAD_CHUNK):
+                    c1 = min(end, c0 + HEAD_CHUNK)
                     _gemm(h, wte[c0:c1], out[:, c0:c1], True)
-            blk = _claim(nxt)
 
 
 # --- compact weights (see compact.py): bfloat16 bits as uint16 -----------------------------------
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _gemv_bf16(x, w, b, scratch, out, accumulate, n_blocks):
+def _gemv_bf16(x, w, b, scratch, out, accumulate, n_chunks):
     """out (+)= x @ w + b for one token, w bfloat16.
 
     x: (1, K); w: uint16 (K, N); b: (N,); out: (1, N); scratch: flat float32 of
-    at least n_blocks * N. Each thread streams a block of w's rows.
+    at least n_chunks * N. A chunk is a span of w's rows, summed into a partial row of its own.
     """
     K, N = w.shape
-    partial = scratch[: n_blocks * N].reshape(n_blocks, N)
-    step = (K + n_blocks - 1) // n_blocks
+    partial = scratch[: n_chunks * N].reshape(n_chunks, N)
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
-    for _ in prange(n_blocks):
-        blk = _claim(nxt)
-        while blk < n_blocks:
-            acc = partial[blk]
+    for _ in prange(n_chunks):
+        for c in _claimed(nxt, n_chunks):
+            start, end = _span(c, n_chunks, K, 1)
+            acc = partial[c]
             acc[:] = 0.0
-            for k in range(min(K, blk * step), min(K, (blk + 1) * step)):
+            for k in range(start, end):
                 row = w[k]
                 xk = x[0, k]
                 for j in range(N):
                     acc[j] += xk * _as_float32(np.uint32(row[j]) << 16)
-            blk = _claim(nxt)
     _reduce(partial, b, out, accumulate)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _reduce(partial, b, out, accumulate):
-    """out[0] (+)= b + the sum of partial's rows. partial: (n_blocks, N)."""
+    """out[0] (+)= b + the sum of partial's rows. partial: (n_chunks, N)."""
     for j in range(out.shape[1]):
         s = b[j]
-        for blk in range(partial.shape[0]):
-            s += partial[blk, j]
+        for c in range(partial.shape[0]):
+            s += partial[c, j]
         out[0, j] = out[0, j] + s if accumulate else s
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _head_compact(wte, scale, h, out, n_blocks):
+def _head_compact(wte, scale, h, out, n_chunks):
     """out = h @ W.T for a compact wte (V, C): bfloat16 bits with scale None, or int8 / packed int4
     with scales (V, C // GROUP) and h already rounded as the integer formats' inputs are
     (forward.py calls it for bfloat16 only; the integer formats' heads run in integers); h: (R, C);
     out: (R, V).
 
-    One row of bfloat16: a dot product per vocabulary row, widened in registers. Otherwise
-    each thread widens HEAD_CHUNK vocabulary rows of its block at a time, then BLAS.
+    A chunk is a span of vocabulary rows. One row of bfloat16: a dot product per vocabulary
+    row, widened in registers. Otherwise HEAD_CHUNK vocabulary rows at a time widened, then BLAS.
     """
     V = wte.shape[0]
     R, C = h.shape
-    step = (V + n_blocks - 1) // n_blocks
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
-    for _ in prange(n_blocks):
-        blk = _claim(nxt)
-        while blk < n_blocks:
-            lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
+    for _ in prange(n_chunks):
+        for c in _claimed(nxt, n_chunks):
+            start, end = _span(c, n_chunks, V, 1)
             if R == 1 and scale is None:
-                for v in range(lo, hi):
+                for v in range(start, end):
                     row = wte[v]
                     s = np.float32(0.0)
-                    for c in range(C):
-                        s += _widen(row[c]) * h[0, c]
+                    for k in range(C):
+                        s += _widen(row[k]) * h[0, k]
                     out[0, v] = s
             else:
-                _head_widened(wte, scale, h, lo, hi, out)
-            blk = _claim(nxt)
+                _head_widened(wte, scale, h, start, end, out)
 
 
 @njit(cache=True, nogil=True)
@@ -370,35 +343,33 @@ def _head_scores_typed(wte, scale, inputs, c0, c1, work, chunk):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _head_log_softmax(wte, scale, inputs, targets, logprob, best, n_blocks):
+def _head_log_softmax(wte, scale, inputs, targets, logprob, best, n_chunks):
     """log softmax(h @ W.T) at each row's target, and each row's argmax, with no (R, V) array.
 
     wte, scale: as _widen_rows takes them; inputs: h (R, C), or for the integer formats h
     quantised for the tiles, (xw, xs) (inttiles.widen); targets: int64 (R,), ids in [0, V)
     or -1 for a row with none (its logprob is nan); logprob: float64 (R,); best: int64 (R,),
     the lowest id of the largest logit.
-    Each thread takes a block of the vocabulary in chunks of HEAD_CHUNK rows (_head_scores:
-    one product for every row) and keeps, per row, a running max, the sum of
-    exp(logit - max) and the argmax; the blocks are merged at the end: memory is
-    O(R x threads + chunk).
+    A chunk is a span of the vocabulary, taken HEAD_CHUNK rows at a time (_head_scores:
+    one product for every row); per chunk and row it keeps a running max, the sum of
+    exp(logit - max) and the argmax, and the chunks are merged at the end: memory is
+    O(R x chunks + HEAD_CHUNK).
     """
     V = wte.shape[0]
     R = targets.shape[0]
-    step = (V + n_blocks - 1) // n_blocks
-    peak = np.full((n_blocks, R), -np.inf)  # float64: running max per block and row
-    total = np.zeros((n_blocks, R))          # sum of exp(logit - peak)
-    arg = np.zeros((n_blocks, R), np.int64)
-    hit = np.full(R, np.nan)                 # the target's logit, from the block that holds it
+    peak = np.full((n_chunks, R), -np.inf)  # float64: running max per chunk and row
+    total = np.zeros((n_chunks, R))          # sum of exp(logit - peak)
+    arg = np.zeros((n_chunks, R), np.int64)
+    hit = np.full(R, np.nan)                 # the target's logit, from the chunk that holds it
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
-    for _ in prange(n_blocks):
+    for _ in prange(n_chunks):
         work = _head_work(inputs)
         scores = np.empty(R * HEAD_CHUNK, np.float32)
         bits = np.empty(HEAD_CHUNK, np.int32)
-        blk = _claim(nxt)
-        while blk < n_blocks:
-            lo, hi = min(V, blk * step), min(V, (blk + 1) * step)
-            for c0 in range(lo, hi, HEAD_CHUNK):
-                c1 = min(hi, c0 + HEAD_CHUNK)
+        for c in _claimed(nxt, n_chunks):
+            start, end = _span(c, n_chunks, V, 1)
+            for c0 in range(start, end, HEAD_CHUNK):
+                c1 = min(end, c0 + HEAD_CHUNK)
                 chunk = scores[: R * (c1 - c0)].reshape(R, c1 - c0)
                 _head_scores(wte, scale, inputs, c0, c1, work, chunk)
                 for r in range(R):
@@ -407,25 +378,24 @@ def _head_log_softmax(wte, scale, inputs, targets, logprob, best, n_blocks):
                     if c0 <= t < c1:
                         hit[r] = row[t - c0]
                     j = row.argmax()
-                    if row[j] > peak[blk, r]:  # a new max: rescale what was summed so far
-                        total[blk, r] *= math.exp(peak[blk, r] - row[j])
-                        peak[blk, r], arg[blk, r] = row[j], c0 + j
-                    m = np.float32(peak[blk, r])
-                    for c in range(c1 - c0):
-                        row[c] -= m
+                    if row[j] > peak[c, r]:  # a new max: rescale what was summed so far
+                        total[c, r] *= math.exp(peak[c, r] - row[j])
+                        peak[c, r], arg[c, r] = row[j], c0 + j
+                    m = np.float32(peak[c, r])
+                    for k in range(c1 - c0):
+                        row[k] -= m
                     _exp_inplace(row, bits)
-                    total[blk, r] += row.sum()
-            blk = _claim(nxt)
+                    total[c, r] += row.sum()
     for r in range(R):
         top = 0
-        for blk in range(1, n_blocks):
-            if peak[blk, r] > peak[top, r]:
-                top = blk
+        for c in range(1, n_chunks):
+            if peak[c, r] > peak[top, r]:
+                top = c
         m = peak[top, r]
         s = 0.0
-        for blk in range(n_blocks):
-            if total[blk, r] > 0.0:
-                s += total[blk, r] * math.exp(peak[blk, r] - m)
+        for c in range(n_chunks):
+            if total[c, r] > 0.0:
+                s += total[c, r] * math.exp(peak[c, r] - m)
         logprob[r] = hit[r] - (m + math.log(s))
         best[r] = arg[top, r]
 
@@ -434,12 +404,10 @@ def _head_log_softmax(wte, scale, inputs, targets, logprob, best, n_blocks):
 def _expand_bf16(w, out):
     """out = float32 values of bfloat16 w. w: uint16 (K, N); out: (K, N)."""
     K, N = w.shape
-    n_chunks = min(K, ROW_CHUNKS)
     nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
-    for _ in prange(n_chunks):
-        c = _claim(nxt)
-        while c < n_chunks:
-            for k in range(c * K // n_chunks, (c + 1) * K // n_chunks):
+    for _ in prange(ROW_CHUNKS):
+        for c in _claimed(nxt, ROW_CHUNKS):
+            start, end = _span(c, ROW_CHUNKS, K, 1)
+            for k in range(start, end):
                 for j in range(N):
                     out[k, j] = _as_float32(np.uint32(w[k, j]) << 16)
-            c = _claim(nxt)

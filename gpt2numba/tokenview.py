@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import checks
-from .chunks import _claim
+from .chunks import _claimed
 from .errors import ConfigError, TokenError, TokenTypeError
 from .forward import _forward, _logits_head, _prompt
 from .kernels import FASTMATH, _exp_inplace
@@ -116,8 +116,8 @@ def inspect_text(text: str, w: GPT2Weights, tokenizer: Tokenizer | None = None, 
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _rows(logits, targets, logprob, rank, top_ids, top_values, n_chunks):
-    """What each row of logits says of its target, into the outputs' rows; rows claimed one at a time.
+def _rows(logits, targets, logprob, rank, top_ids, top_values, n_workers):
+    """What each row of logits says of its target, into the outputs' rows; a chunk is a row.
 
     logits: float32 (R, V); targets: int64 (R,); logprob: float64 (R,), log softmax at the target (as
     scoring's fused head: float32 exponentials of logit - max, kernels._exp_inplace's, summed in float64);
@@ -127,13 +127,12 @@ def _rows(logits, targets, logprob, rank, top_ids, top_values, n_chunks):
     R, V = logits.shape
     k = top_ids.shape[1]
     nxt = np.zeros(1, np.int64)  # the next row (chunks.py)
-    for _ in prange(n_chunks):
+    for _ in prange(n_workers):  # iterations, each with buffers of its own
         e = np.empty(V, np.float32)  # (V,) logit - max, then its exponential
         bits = np.empty(V, np.int32)
         best = np.empty(max(k, 1), np.float32)  # (k,) the largest logits so far, largest first
         which = np.empty(max(k, 1), np.int64)
-        r = _claim(nxt)
-        while r < R:
+        for r in _claimed(nxt, R):
             row = logits[r]
             own, peak, above = row[targets[r]], row.max(), 0
             for t in range(V):
@@ -160,7 +159,6 @@ def _rows(logits, targets, logprob, rank, top_ids, top_values, n_chunks):
             for j in range(k):
                 top_ids[r, j] = which[j]
                 top_values[r, j] = np.float64(best[j]) - lse
-            r = _claim(nxt)
 
 
 class _Texts:
