@@ -209,7 +209,7 @@ def _batch(prompts, w, tokenizer, batch_size, n, options) -> int:
         bar.update()
     with tqdm(total=len(tokens), unit="prompt" if n == 1 else "sample", file=sys.stderr, desc="generate") as bar:
         pending = set(tokens)
-        for i, token, done in _batch_steps(ids, w, batch_size=batch_size, n=n, **options):
+        for i, token, done, _ in _batch_steps(ids, w, batch_size=batch_size, n=n, **options):
             tokens[i].append(token)
             if done:
                 write(i)

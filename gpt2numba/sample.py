@@ -229,12 +229,18 @@ def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, seed: int | 
     """
     steps = _batch_steps(prompts, w, max_new_tokens=max_new_tokens, seed=seed, stop_at_eos=stop_at_eos,
                          batch_size=batch_size, n=n, kv_dtype=kv_dtype, **sampling)
-    return ((i, token) for i, token, _ in steps)
+    return ((i, token) for i, token, *_ in steps)
 
 
 def _batch_steps(prompts, w, *, max_new_tokens, seed=None, stop_at_eos=True, batch_size=None, n=1,
-                 kv_dtype="float32", **sampling):
-    """generate_batch's checks, then its tokens as (sequence index, token_id, whether that sequence is done)."""
+                 kv_dtype="float32", streams=None, **sampling):
+    """generate_batch's checks, then its tokens as (sequence index, token_id, whether that sequence is done,
+    its logits row (vocab,) float32, valid until the next step).
+
+    streams: each prompt's number in a longer list of prompts that a caller runs in parts (distributed.py,
+    Ray Data's blocks): sequence (prompt k, sample j) draws from (seed, streams[k] * n + j), as it would in
+    one generate_batch over the whole list; default range(len(prompts)). Ints >= 0, checked by the caller.
+    """
     checks.weights(w)
     cfg = w.config
     sampler = _settings(sampling, cfg.vocab_size, max_new_tokens, seed)
@@ -245,7 +251,8 @@ def _batch_steps(prompts, w, *, max_new_tokens, seed=None, stop_at_eos=True, bat
     check_kv_dtype(kv_dtype)
     checked = [ids for ids in checks.prompts(prompts, cfg, max_new_tokens) for _ in range(n)]
     slots = min(batch_size or len(checked), len(checked))
-    rngs = [np.random.default_rng(None if seed is None else [seed, i]) for i in range(len(checked))]
+    numbers = range(len(checked)) if streams is None else [k * n + j for k in streams for j in range(n)]
+    rngs = [np.random.default_rng(None if seed is None else [seed, i]) for i in numbers]
     return _generate_batch(checked, w, sampler, max_new_tokens, rngs, stop_at_eos, slots, kv_dtype)
 
 
@@ -261,8 +268,8 @@ def _generate_batch(prompts, w, sampler, max_new_tokens, rngs, stop_at_eos, slot
             i = waiting.popleft()
             index_of[batch.add(prompts[i], max_new_tokens=max_new_tokens, sampler=sampler, rng=rngs[i],
                                stop_at_eos=stop_at_eos, shared=shared[i])] = i
-        for seq, token, done, _ in batch.step():
-            yield index_of[seq], token, done
+        for seq, token, done, row in batch.step():
+            yield index_of[seq], token, done, row
 
 
 def _shared_prompts(prompts: list[list[int]]) -> list[SharedPrompt | None]:
@@ -288,7 +295,7 @@ def generate_text_batch(texts, w: GPT2Weights, tokenizer: Tokenizer | None = Non
     tokenizer = _tokenizer(tokenizer)
     steps = _batch_steps([prompt_ids(t, tokenizer) for t in texts], w, **options)
     tokens: list[list[int]] = [[] for _ in range(len(texts) * options.get("n", 1))]
-    for i, token, _ in steps:
+    for i, token, *_ in steps:
         if token != tokenizer.eot_id:
             tokens[i].append(token)
     return [tokenizer.decode(t) for t in tokens]
