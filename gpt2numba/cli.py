@@ -84,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--early-stopping", choices=list(cli_generate.EARLY_STOPPING),
                      help="beam search: stop once N beams ended (true), once none can do better (false, the "
                      "default), or that judged at --max-new-tokens (never)")
+    gen.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                     help="with --prompts-file: generate on a Ray cluster with Ray Data, the same records in the "
+                     "prompts' order: the address of an existing cluster, or none to start a local one (the [ray] "
+                     "extra); --threads is each worker's, --batch-size the prompts a worker runs at once (default 64)")
+    gen.add_argument("--output", type=Path, metavar="DIR", help="with --ray: write the records to DIR instead of stdout")
+    gen.add_argument("--format", choices=["jsonl", "parquet"], help="with --output (default jsonl)")
 
     check = commands.add_parser(
         "check", parents=[weights],
