@@ -288,7 +288,7 @@ def _on_ray(prompts, args, options, n, beam) -> int:
     finally:
         ray.shutdown()
     print(f"gpt2numba: {len(prompts)} prompts{f' x {n}' if n > 1 else ''} on Ray, {tokens} new tokens; "
-          f"{time.perf_counter() - t0:.1f} s with the cluster's start"
+          f"{time.perf_counter() - t0:.1f} s" + (" with the cluster's start" if args.ray == "local" else "")
           + (f"; written to {args.output}" if args.output else ""), file=sys.stderr)
     return 0
 
