@@ -308,20 +308,15 @@ def _score_ray(args) -> int:
         raise GPT2NumbaError("--ray reads files (on every node), not stdin")
     if args.kv_dtype != "float32":
         raise GPT2NumbaError("--kv-dtype goes without --ray: the Ray workers keep float32 caches")
-    try:
-        import ray
-    except ImportError:
-        raise GPT2NumbaError("--ray needs Ray Data: pip install 'gpt2numba[ray]'") from None
-    from .distributed import read_documents, score_dataset
+    from .distributed import cluster, read_documents, score_dataset, write
 
     t0 = time.perf_counter()
-    ray.init(address=args.ray, include_dashboard=False, log_to_driver=False)  # "local": a new cluster here
-    try:
+    with cluster(args.ray):
         ds = read_documents(args.files, lines=args.lines, field=args.field)
         scored = score_dataset(ds, args.model, dtype=args.dtype, stride=args.stride, threads_per_worker=args.threads,
                                batch_size=args.batch_size).materialize()
         if args.output:
-            (scored.write_parquet if args.format == "parquet" else scored.write_json)(str(args.output))
+            write(scored, args.output, args.format)
         else:
             for row in sorted(scored.iter_rows(), key=_order(args.files)):
                 print(json.dumps({"source": row["source"], "index": int(row["index"]), "tokens": int(row["tokens"]),
@@ -332,8 +327,6 @@ def _score_ray(args) -> int:
             docs += len(batch["tokens"])
             tokens += int(batch["tokens"].sum())
             nll += float(batch["nll"].sum())
-    finally:
-        ray.shutdown()
     seconds = time.perf_counter() - t0
     print(f"gpt2numba: {docs} documents on Ray, {tokens} tokens scored, nll {nll:.1f} nats, perplexity "
           f"{math.exp(nll / tokens) if tokens else float('nan'):.2f}; {seconds:.1f} s with the cluster's start, "

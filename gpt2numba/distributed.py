@@ -17,6 +17,7 @@ must exist on every node.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -28,7 +29,7 @@ import numpy as np
 
 from . import checks
 from .documents import field_of, split
-from .errors import CacheFullError, ConfigError, SamplingError, TokenTypeError
+from .errors import CacheFullError, ConfigError, GPT2NumbaError, SamplingError, TokenTypeError
 
 
 class _Scorer:
@@ -57,6 +58,26 @@ class _Scorer:
         batch["bits_per_byte"] = np.array([s.nll / math.log(2) / n if (n := len(t.encode("utf-8"))) else math.nan
                                            for s, t in zip(scores, texts)])
         return batch
+
+
+@contextlib.contextmanager
+def cluster(address: str):
+    """Ray joined at ``address`` ("local": a new cluster here) for the block, shut down after it: the command
+    line's --ray. GPT2NumbaError naming the extra when Ray is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise GPT2NumbaError("--ray needs Ray Data: pip install 'gpt2numba[ray]'") from None
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def write(ds, output, format: str) -> None:
+    """Write a dataset's rows under the directory ``output`` as Parquet or JSON lines (--output, --format)."""
+    (ds.write_parquet if format == "parquet" else ds.write_json)(str(output))
 
 
 def score_dataset(ds, model: str | None, *, dtype: str = "float32", text_column: str = "text",
