@@ -79,21 +79,24 @@ ROW_CHUNKS = 32
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _layernorm_row(x, g, b, eps, out):
-    """out = (x - mean) / sqrt(var + eps) * g + b, biased variance. x, out, g, b: (C,)."""
-    C = x.size
-    mean = 0.0
-    for j in range(C):
-        mean += x[j]
-    mean /= C
-    var = 0.0
-    for j in range(C):
-        d = x[j] - mean
-        var += d * d
-    var /= C
-    rstd = 1.0 / math.sqrt(var + eps)
-    for j in range(C):
-        out[j] = (x[j] - mean) * rstd * g[j] + b[j]
+def _layernorm_rows(x, g, b, eps, out, start, end):
+    """out[i] = (x[i] - mean) / sqrt(var + eps) * g + b for rows start..end-1, biased variance.
+    x, out: (T, C); g, b: (C,)."""
+    C = x.shape[1]
+    for i in range(start, end):
+        row, dest = x[i], out[i]
+        mean = 0.0
+        for j in range(C):
+            mean += row[j]
+        mean /= C
+        var = 0.0
+        for j in range(C):
+            d = row[j] - mean
+            var += d * d
+        var /= C
+        rstd = 1.0 / math.sqrt(var + eps)
+        for j in range(C):
+            dest[j] = (row[j] - mean) * rstd * g[j] + b[j]
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
@@ -101,49 +104,47 @@ def _layernorm(x, g, b, eps, out):
     """out[i] = layernorm(x[i]) * g + b for every row. x, out: (T, C); g, b: (C,); eps: float."""
     T = x.shape[0]
     if T <= SERIAL_ROWS:
-        for i in range(T):
-            _layernorm_row(x[i], g, b, eps, out[i])
+        _layernorm_rows(x, g, b, eps, out, 0, T)
         return
     nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
     for _ in prange(ROW_CHUNKS):
         for c in _claimed(nxt, ROW_CHUNKS):
             start, end = _span(c, ROW_CHUNKS, T, 1)
-            for i in range(start, end):
-                _layernorm_row(x[i], g, b, eps, out[i])
+            _layernorm_rows(x, g, b, eps, out, start, end)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _gelu_row(row):
-    """In place: row = gelu(row), GPT-2's tanh form, 0.5 x (1 + tanh(c (x + 0.044715 x^3))).
+def _gelu_rows(x, start, end):
+    """In place: x[i] = gelu(x[i]) for rows start..end-1, GPT-2's tanh form, 0.5 x (1 + tanh(c (x + 0.044715 x^3))).
 
-    row: (F,). Computed as x / (1 + exp(-2 c (x + 0.044715 x^3))), the same function
+    x: (T, F). Computed as x / (1 + exp(-2 c (x + 0.044715 x^3))), the same function
     (0.5 (1 + tanh z) = 1 / (1 + exp(-2z))), with a vectorised exp.
     """
-    F = row.size
+    F = x.shape[1]
     e = np.empty(F, np.float32)
     bits = np.empty(F, np.int32)
-    for j in range(F):
-        y = row[j]
-        e[j] = -_GELU_2C * (y + _GELU_A * y * y * y)
-    _exp_inplace(e, bits)
-    for j in range(F):
-        row[j] = row[j] / (_ONE + e[j])
+    for i in range(start, end):
+        row = x[i]
+        for j in range(F):
+            y = row[j]
+            e[j] = -_GELU_2C * (y + _GELU_A * y * y * y)
+        _exp_inplace(e, bits)
+        for j in range(F):
+            row[j] = row[j] / (_ONE + e[j])
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _gelu(x):
-    """In place: x = gelu(x) for every row (_gelu_row). x: (T, F)."""
+    """In place: x = gelu(x) for every row (_gelu_rows). x: (T, F)."""
     T = x.shape[0]
     if T <= SERIAL_ROWS:
-        for i in range(T):
-            _gelu_row(x[i])
+        _gelu_rows(x, 0, T)
         return
     nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
     for _ in prange(ROW_CHUNKS):
         for c in _claimed(nxt, ROW_CHUNKS):
             start, end = _span(c, ROW_CHUNKS, T, 1)
-            for i in range(start, end):
-                _gelu_row(x[i])
+            _gelu_rows(x, start, end)
 
 
 def _cache_of(caches, b):
@@ -298,53 +299,50 @@ def _store_row_typed(src, dst, half):
     return store_bits
 
 
-def _scores(q, cache, layer, h, n, dense, s, half):
-    """s = q @ K.T, K = rows 0..n-1 of one head of one layer of a cache, as float32. q: (m, D); s: (m, n);
-    cache: (n_layer, H, max_len, D); dense: (P, D) float32 scratch for a compact cache's rows."""
+def _times_cache(a, cache, layer, h, n, dense, out, half, keys):
+    """out = a @ K.T when ``keys`` (a: queries (m, D); out: their scores (m, n)), else out = a @ V (a: weights
+    (m, n); out: (m, D)); K or V: rows 0..n-1 of one head of one layer of a cache (n_layer, H, max_len, D), as
+    float32; dense: (P, D) float32 scratch for a compact cache's rows widened."""
 
 
-def _weighted(s, cache, layer, h, n, dense, out, half):
-    """out = s @ V, V = rows 0..n-1 of one head of one layer of a cache, as float32. s: (m, n); out: (m, D)."""
+@overload(_times_cache, inline="always")
+def _times_cache_typed(a, cache, layer, h, n, dense, out, half, keys):
+    if cache.dtype != types.float32:
+        def from_bits(a, cache, layer, h, n, dense, out, half, keys):
+            _gemm(a, _widened(cache, layer, h, n, dense, half), out, keys)
+        return from_bits
+
+    def blas(a, cache, layer, h, n, dense, out, half, keys):
+        if a.shape[0] > 1:
+            _gemm(a, cache[layer, h, :n], out, keys)
+            return
+        rows = cache[layer, h]  # one query (a decode step): a loop costs less than a BLAS call
+        if keys:
+            _query_scores(a, rows, n, out)
+            return
+        _query_values(a, rows, n, out)
+    return blas
 
 
-@overload(_scores, inline="always")
-def _scores_typed(q, cache, layer, h, n, dense, s, half):
-    if cache.dtype == types.float32:
-        def blas(q, cache, layer, h, n, dense, s, half):
-            if q.shape[0] > 1:
-                _gemm(q, cache[layer, h, :n], s, True)
-                return
-            keys = cache[layer, h]  # one query (a decode step): a loop costs less than a BLAS call
-            for t in range(n):
-                acc = np.float32(0.0)
-                for d in range(q.shape[1]):
-                    acc += q[0, d] * keys[t, d]
-                s[0, t] = acc
-        return blas
-
-    def from_bits(q, cache, layer, h, n, dense, s, half):
-        _gemm(q, _widened(cache, layer, h, n, dense, half), s, True)
-    return from_bits
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def _query_scores(q, keys, n, s):
+    """s[0, t] = q[0] . keys[t] for t < n: one query's scores. q: (1, D); keys: (max_len, D); s: (1, n)."""
+    for t in range(n):
+        acc = np.float32(0.0)
+        for d in range(q.shape[1]):
+            acc += q[0, d] * keys[t, d]
+        s[0, t] = acc
 
 
-@overload(_weighted, inline="always")
-def _weighted_typed(s, cache, layer, h, n, dense, out, half):
-    if cache.dtype == types.float32:
-        def blas(s, cache, layer, h, n, dense, out, half):
-            if s.shape[0] > 1:
-                _gemm(s, cache[layer, h, :n], out, False)
-                return
-            values = cache[layer, h]  # one query, as in _scores
-            out[0, :] = 0.0
-            for t in range(n):
-                p = s[0, t]
-                for d in range(out.shape[1]):
-                    out[0, d] += p * values[t, d]
-        return blas
-
-    def from_bits(s, cache, layer, h, n, dense, out, half):
-        _gemm(s, _widened(cache, layer, h, n, dense, half), out, False)
-    return from_bits
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def _query_values(s, values, n, out):
+    """out[0] = the sum over t < n of s[0, t] values[t]: one query's values. s: (1, n); values: (max_len, D);
+    out: (1, D)."""
+    out[0, :] = 0.0
+    for t in range(n):
+        p = s[0, t]
+        for d in range(out.shape[1]):
+            out[0, d] += p * values[t, d]
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
@@ -445,7 +443,7 @@ def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch, half):
                 for i in range(m):
                     for d in range(D):
                         q[i, d] = qkv[first + i, h * D + d] * scale
-                _scores(q, _cache_of(ks, b), layer, h, n, dense, s, half)
+                _times_cache(q, _cache_of(ks, b), layer, h, n, dense, s, half, True)
                 for i in range(m):
                     pos = start + i
                     row = s[i, : pos + 1]  # the keys the query at pos may see
@@ -457,7 +455,7 @@ def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch, half):
                     for t in range(pos + 1):
                         row[t] *= inv
                     s[i, pos + 1:] = 0.0
-                _weighted(s, _cache_of(vs, b), layer, h, n, dense, q, half)
+                _times_cache(s, _cache_of(vs, b), layer, h, n, dense, q, half, False)
                 for i in range(m):
                     for d in range(D):
                         out[first + i, h * D + d] = q[i, d]

@@ -54,25 +54,24 @@ def _linear(x, w, b, scratch, out, accumulate, n_chunks, split_k):
             else:
                 partial[c] = 0.0
     if T <= SERIAL_ROWS:
-        for i in range(T):
-            _sum_partials(partial, i, b, out, accumulate)
+        _sum_partials(partial, b, out, accumulate, 0, T)
         return
     rows = np.zeros(1, np.int64)  # the next chunk of rows
     for _ in prange(ROW_CHUNKS):
         for c in _claimed(rows, ROW_CHUNKS):
             start, end = _span(c, ROW_CHUNKS, T, 1)
-            for i in range(start, end):
-                _sum_partials(partial, i, b, out, accumulate)
+            _sum_partials(partial, b, out, accumulate, start, end)
 
 
 @njit(cache=True, nogil=True)
-def _sum_partials(partial, i, b, out, accumulate):
-    """out[i] (+)= b + the sum over chunks of partial[:, i]. partial: (n_chunks, T, N)."""
-    for j in range(out.shape[1]):
-        s = b[j]
-        for c in range(partial.shape[0]):
-            s += partial[c, i, j]
-        out[i, j] = out[i, j] + s if accumulate else s
+def _sum_partials(partial, b, out, accumulate, start, end):
+    """out[i] (+)= b + the sum over chunks of partial[:, i], for rows start..end-1. partial: (n_chunks, T, N)."""
+    for i in range(start, end):
+        for j in range(out.shape[1]):
+            s = b[j]
+            for c in range(partial.shape[0]):
+                s += partial[c, i, j]
+            out[i, j] = out[i, j] + s if accumulate else s
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)

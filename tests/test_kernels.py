@@ -4,10 +4,10 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from numba import typed
+from numba import njit, prange, typed
 from threadpoolctl import threadpool_limits
 
-from gpt2numba import compact, kernels, matkernels, oracle
+from gpt2numba import chunks, compact, kernels, matkernels, oracle
 from helpers import randn
 
 dims = st.integers(1, 40)
@@ -88,9 +88,9 @@ def test_write_kv(batch, kv_dtype, seed, data):
     assert (written[:, layer] == pos0 + np.diff(row0)).all() and (np.delete(written, layer, axis=1) == -1).all()
 
 
-@given(batch=batches, n_blocks=st.integers(1, 3), kv_dtype=kv_dtypes, seed=st.integers(0, 2**32 - 1),
+@given(batch=batches, n_chunks=st.integers(1, 3), kv_dtype=kv_dtypes, seed=st.integers(0, 2**32 - 1),
        data=st.data())
-def test_attend(batch, n_blocks, kv_dtype, seed, data):
+def test_attend(batch, n_chunks, kv_dtype, seed, data):
     """Sequence b's T queries at positions start..start+T-1 over its own cache rows 0..start+T-1 (a
     compact cache's values widened exactly: float16 bits read as bfloat16 would be far off)."""
     model, seqs = batch
@@ -98,8 +98,8 @@ def test_attend(batch, n_blocks, kv_dtype, seed, data):
     layer = data.draw(st.integers(0, n_layer - 1))
     qkv, ks, vs, row0, pos0 = _batch_case(np.random.default_rng(seed), model, seqs, kv_dtype)
     out = np.empty((row0[-1], H * D), np.float32)
-    scratch = np.empty((n_blocks, kernels.attend_width(D, max(m for m, _, _ in seqs))), np.float32)
-    tiles, bounds = kernels._attention_plan(row0, pos0, H, n_blocks)
+    scratch = np.empty((n_chunks, kernels.attend_width(D, max(m for m, _, _ in seqs))), np.float32)
+    tiles, bounds = kernels._attention_plan(row0, pos0, H, n_chunks)
     with threadpool_limits(1, user_api="blas"):
         kernels._attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch, kv_dtype == "float16")
 
@@ -116,12 +116,12 @@ def test_attend(batch, n_blocks, kv_dtype, seed, data):
 
 
 @given(counts=st.lists(st.integers(1, 300), min_size=1, max_size=8), n_head=st.integers(1, 12),
-       n_blocks=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
-def test_attention_plan(counts, n_head, n_blocks, seed):
-    """Every (sequence, head, tile of queries) once, in n_blocks runs of which none is far above the mean."""
+       n_chunks=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
+def test_attention_plan(counts, n_head, n_chunks, seed):
+    """Every (sequence, head, tile of queries) once, in n_chunks runs of which none is far above the mean."""
     row0 = np.cumsum([0, *counts]).astype(np.int64)
     pos0 = np.random.default_rng(seed).integers(0, 700, len(counts))
-    tiles, bounds = kernels._attention_plan(row0, pos0, n_head, n_blocks)
+    tiles, bounds = kernels._attention_plan(row0, pos0, n_head, n_chunks)
     expected = {(b, h, i0) for b, T in enumerate(counts) for h in range(n_head)
                 for i0 in range(0, T, kernels.ATTEND_TILE)}
     assert sorted(map(tuple, tiles.tolist())) == sorted(expected)
@@ -129,50 +129,50 @@ def test_attention_plan(counts, n_head, n_blocks, seed):
     m = [min(counts[b] - i0, kernels.ATTEND_TILE) for b, _, i0 in tiles]  # queries per tile
     cost = [q * (pos0[b] + i0 + q + kernels.ATTEND_TILE) for q, (b, _, i0) in zip(m, tiles)]  # the plan's model
     runs = [sum(cost[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
-    assert max(runs) <= sum(cost) / n_blocks + max(cost)
+    assert max(runs) <= sum(cost) / n_chunks + max(cost)
 
 
-@given(T=st.integers(1, 12), K=dims, N=dims, n_blocks=st.integers(1, 3), split_k=st.booleans(),
+@given(T=st.integers(1, 12), K=dims, N=dims, n_chunks=st.integers(1, 3), split_k=st.booleans(),
        accumulate=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_linear(T, K, N, n_blocks, split_k, accumulate, seed):
+def test_linear(T, K, N, n_chunks, split_k, accumulate, seed):
     """out (+)= x @ w + b, whichever way the work is split, even into more blocks than rows."""
     rng = np.random.default_rng(seed)
     x, w, b, out = randn(rng, T, K), randn(rng, K, N), randn(rng, N), randn(rng, T, N)
     ref = (out.astype(np.float64) if accumulate else 0) + x.astype(np.float64) @ w + b
-    scratch = np.empty(n_blocks * T * N, np.float32)
+    scratch = np.empty(n_chunks * T * N, np.float32)
     with threadpool_limits(1, user_api="blas"):
-        matkernels._linear(x, w, b, scratch, out, accumulate, n_blocks, split_k)
+        matkernels._linear(x, w, b, scratch, out, accumulate, n_chunks, split_k)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
 @given(T=st.integers(1, 9), K=st.integers(1, 6).map(lambda k: 8 * k), N=st.integers(1, 70),
-       n_blocks=st.integers(1, 3), accumulate=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_linear_rows(T, K, N, n_blocks, accumulate, seed):
+       n_chunks=st.integers(1, 3), accumulate=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_linear_rows(T, K, N, n_chunks, accumulate, seed):
     """The few-rows product: odd and even row counts, more threads than column blocks."""
     rng = np.random.default_rng(seed)
     x, w, b, out = randn(rng, T, K), randn(rng, K, N), randn(rng, N), randn(rng, T, N)
     ref = (out.astype(np.float64) if accumulate else 0) + x.astype(np.float64) @ w + b
-    matkernels._linear_rows(x, w, b, np.empty((T + 1) * N, np.float32), out, accumulate, n_blocks)
+    matkernels._linear_rows(x, w, b, np.empty((T + 1) * N, np.float32), out, accumulate, n_chunks)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
-@given(V=st.integers(1, 60), C=dims, R=st.integers(1, 5), n_blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
-def test_head_rows(V, C, R, n_blocks, seed):
+@given(V=st.integers(1, 60), C=dims, R=st.integers(1, 5), n_chunks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_head_rows(V, C, R, n_chunks, seed):
     """The few-rows head: four vocabulary rows at a time and the one-by-one tail."""
     rng = np.random.default_rng(seed)
     wte, h, out = randn(rng, V, C), randn(rng, R, C), np.empty((R, V), np.float32)
-    matkernels._head_rows(wte, h, out, n_blocks)
+    matkernels._head_rows(wte, h, out, n_chunks)
     np.testing.assert_allclose(out, h.astype(np.float64) @ wte.T, atol=1e-4, rtol=1e-4)
 
 
-@given(V=st.integers(1, 1300), C=dims, R=st.integers(1, 5), n_blocks=st.integers(1, 3),
+@given(V=st.integers(1, 1300), C=dims, R=st.integers(1, 5), n_chunks=st.integers(1, 3),
        seed=st.integers(0, 2**32 - 1))
-def test_head(V, C, R, n_blocks, seed):
+def test_head(V, C, R, n_chunks, seed):
     """out = h @ wte.T for one row and for several (in chunks of HEAD_CHUNK vocabulary rows)."""
     rng = np.random.default_rng(seed)
     wte, h, out = randn(rng, V, C), randn(rng, R, C), np.empty((R, V), np.float32)
     with threadpool_limits(1, user_api="blas"):
-        matkernels._head(wte, h, out, n_blocks)
+        matkernels._head(wte, h, out, n_chunks)
     np.testing.assert_allclose(out, h.astype(np.float64) @ wte.T, atol=1e-4, rtol=1e-4)
 
 
@@ -186,3 +186,31 @@ def test_exp(z):
     normal = (ref >= 2.0**-126) & (ref <= 2.0**127)
     np.testing.assert_allclose(out[normal], ref[normal], rtol=3e-7)
     assert (out[ref < 2.0**-126] <= 2.0**-125).all() and (out[ref > 2.0**127] >= 2.0**127).all()
+
+
+@given(total=st.integers(0, 3000), n_chunks=st.integers(1, 70), align=st.sampled_from([1, 4, 16]))
+def test_spans_cover_the_total_once(total, n_chunks, align):
+    """chunks._span: chunk c's [start, end) follows chunk c - 1's, starts at a multiple of align (or at the
+    total), and the spans cover range(total), in equal steps but the last ones. Catches an off-by-one at a
+    chunk's end (a row done twice, or by none) and a misaligned cut."""
+    spans = [chunks._span(c, n_chunks, total, align) for c in range(n_chunks)]
+    assert spans[0][0] == 0 and spans[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert all(start <= end and (start % align == 0 or start == total) for start, end in spans)
+    assert len({end - start for start, end in spans if end < total}) <= 1
+
+
+@njit(parallel=True)
+def _claims(n_chunks, iterations):
+    taken = np.zeros(n_chunks, np.int64)  # how many times each chunk was claimed
+    nxt = np.zeros(1, np.int64)
+    for _ in prange(iterations):
+        for c in chunks._claimed(nxt, n_chunks):
+            taken[c] += 1
+    return taken
+
+
+def test_every_chunk_is_claimed_once():
+    """chunks._claimed: however many iterations a region runs, each chunk is done exactly once."""
+    for n_chunks, iterations in ((1, 1), (8, 8), (8, 2), (3, 8), (200, 8), (0, 4)):
+        assert (_claims(n_chunks, iterations) == 1).all(), (n_chunks, iterations)

@@ -150,7 +150,7 @@ def test_catches_a_joining_sequence_fed_only_its_last_token(tiny, monkeypatch):
 def test_catches_a_log_softmax_without_the_maximum(tiny, monkeypatch):
     from gpt2numba import scoring as score
 
-    def no_max(wte, scale, h, targets, logprob, best, n_blocks):  # exp(logit) summed as it comes
+    def no_max(wte, scale, h, targets, logprob, best, n_chunks):  # exp(logit) summed as it comes
         logits = h @ wte.T  # float32, as the kernel's
         with np.errstate(over="ignore", invalid="ignore"):
             lse = np.log(np.exp(logits).sum(axis=1))
