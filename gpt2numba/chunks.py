@@ -2,7 +2,7 @@
 
 The words every parallel kernel uses:
 - chunk: a piece of a kernel's work. A kernel cuts its work into n_chunks of them: as many
-  as the forward pass gives it, or a count of its own unit (a row, a run
+  as the forward pass gives it (dispatch.n_chunks), or a count of its own unit (a row, a run
   of attention tiles, inttiles.CHUNK outputs).
 - span: the [start, end) of chunk c of n_chunks over a total (_span): equal steps of
   ceil(total / n_chunks), rounded up to a multiple of ``align`` (whole cache lines, four

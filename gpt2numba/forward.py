@@ -24,16 +24,14 @@ import numba
 import numpy as np
 from numba import typed
 
-from . import checks, compact, pool
+from . import checks, compact, dispatch, pool
 from .config import GPT2Config
+from .dispatch import BF16_ROWS_MAX, HEAD_ROWS_MAX, INT4_ROWS_MAX, INT_ROWS_MAX, ROWS_MAX
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
 from . import inttiles
-from .intkernels import INT4_ROWS_MAX, INT_ROWS_MAX, _int_matmul
+from .intkernels import _int_matmul
 from .kernels import _attend, _attention_plan, _gelu, _layernorm, _write_kv, attend_width
 from .matkernels import (
-    BF16_ROWS_MAX,
-    HEAD_ROWS_MAX,
-    ROWS_MAX,
     _expand_bf16,
     _gemv_bf16,
     _head,
@@ -210,20 +208,13 @@ def _token(token_id, w: GPT2Weights, mc, label: str) -> np.ndarray:
     return np.array([token_id], np.int64)
 
 
-# Chunks of work per thread in every parallel kernel, claimed as threads are free (chunks.py):
-# on a busy machine a thread that keeps its core takes over the chunks of one that lost it.
-# At least MIN_CHUNKS, so that 1 and 2 threads cut the work alike and give the same bits.
-CHUNKS_PER_THREAD = 4
-MIN_CHUNKS = 8
-
-
 # --- the forward pass -----------------------------------------------------------------------------------
 
 def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], head, every_row: bool = False):
     """All blocks over the checked new ids of B sequences; then ``head`` on the final rows.
 
     seqs[b]: int64 (T_b,) ids at positions caches[b].length..; the caches are
-    distinct and have room. head(h, chunks) takes h: float32 (R, C), the rows
+    distinct and have room. head(h, n_chunks) takes h: float32 (R, C), the rows
     after ln_f (each sequence's last row, or with every_row all N rows in order),
     and returns the result: the logits, or what scoring keeps of them. The
     caches' lengths move only once the head has succeeded.
@@ -235,7 +226,7 @@ def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], h
     pos0 = np.array([mc.length for mc in caches], np.int64)  # (B,) position of each first row
     N = int(row0[-1])
     threads = numba.get_num_threads()
-    chunks = max(MIN_CHUNKS, threads * CHUNKS_PER_THREAD)
+    n_chunks = dispatch.n_chunks(threads)  # of every parallel kernel's work, claimed as threads are free
     work = _workspace(w, N, threads)
     x, h, qkv, a, f = work.x[:N], work.h[:N], work.qkv[:N], work.a[:N], work.f[:N]
     x[...] = _embed(np.concatenate(seqs), np.repeat(pos0 - row0[:-1], counts) + np.arange(N), w)
@@ -243,9 +234,9 @@ def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], h
               else (typed.List([mc._k for mc in caches]), typed.List([mc._v for mc in caches])))
     half = caches[0].dtype == "float16"  # (for uint16 caches: float16 bits, else bfloat16)
     written = np.repeat(pos0[:, None], cfg.n_layer, axis=1)  # (B, n_layer) positions each layer holds
-    tiles, bounds = _attention_plan(row0, pos0, cfg.n_head, chunks)
+    tiles, bounds = _attention_plan(row0, pos0, cfg.n_head, n_chunks)
     eps = cfg.layer_norm_epsilon
-    linear = functools.partial(_matmul, w=w, work=work, chunks=chunks)
+    linear = functools.partial(_matmul, w=w, work=work, n_chunks=n_chunks)
     with pool.pinned(), _one_blas_thread():
         for layer in range(cfg.n_layer):
             _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
@@ -264,7 +255,7 @@ def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], h
         rows = x if every_row else x[row0[1:] - 1]
         h = np.empty_like(rows)  # (R, C)
         _layernorm(rows, w.ln_f_g, w.ln_f_b, eps, h)
-        result = head(h, chunks)
+        result = head(h, n_chunks)
     for mc, layers in zip(caches, written):
         mc._commit(layers)
     return result
@@ -276,31 +267,28 @@ def _embed(ids: np.ndarray, positions: np.ndarray, w: GPT2Weights) -> np.ndarray
     return rows + w.wpe[positions]
 
 
-def _matmul(x, field, layer, b, out, accumulate, w, work, chunks):
+def _matmul(x, field, layer, b, out, accumulate, w, work, n_chunks):
     """out (+)= x @ (layer's matrix ``field``) + b, whatever the matrix's storage."""
     T, K = x.shape
     matrix = getattr(w, field)[layer]
     if w.scales:
-        _integer_matmul(x, matrix, w.scales[field][layer], b, out, accumulate, work, chunks)
+        _integer_matmul(x, matrix, w.scales[field][layer], b, out, accumulate, work, n_chunks)
         return
-    scratch = work.scratch(T, chunks)
-    split_k = _split_k(T)
-    # Blocks of tokens are whole GEMMs, each fastest as large as it can be (on 2 cores, 2 blocks of
-    # 256 rows beat 8 of 64 by a quarter, with a busy neighbour or without): one block a thread.
-    blocks = chunks if split_k else chunks // CHUNKS_PER_THREAD
+    scratch = work.scratch(T, n_chunks)
+    split_k, blas_chunks = dispatch.split_k(T), dispatch.blas_chunks(T, n_chunks)
     if 2 <= T <= (ROWS_MAX if w.dtype == "float32" else BF16_ROWS_MAX) and K % 8 == 0:  # few rows: as stored
-        _linear_rows(x, matrix, b, scratch, out, accumulate, chunks)
+        _linear_rows(x, matrix, b, scratch, out, accumulate, n_chunks)
     elif w.dtype == "float32":
-        _linear(x, matrix, b, scratch, out, accumulate, blocks, split_k)
+        _linear(x, matrix, b, scratch, out, accumulate, blas_chunks, split_k)
     elif T == 1:  # one row reads the bfloat16 matrix itself
-        _gemv_bf16(x, matrix, b, scratch, out, accumulate, chunks)
+        _gemv_bf16(x, matrix, b, scratch, out, accumulate, n_chunks)
     else:  # many rows: widen the matrix once, then multiply as float32
         dense = work.dense(matrix.shape)
         _expand_bf16(matrix, dense)
-        _linear(x, dense, b, scratch, out, accumulate, blocks, split_k)
+        _linear(x, dense, b, scratch, out, accumulate, blas_chunks, split_k)
 
 
-def _integer_matmul(x, q, scale, b, out, accumulate, work, chunks):
+def _integer_matmul(x, q, scale, b, out, accumulate, work, n_chunks):
     """out (+)= x @ W.T (+ b) for an int8 or int4 matrix W [out, in], its input rounded to int8 per group.
 
     W is read as stored, in integers: a few rows one dot product at a time (_int_matmul; up
@@ -308,9 +296,9 @@ def _integer_matmul(x, q, scale, b, out, accumulate, work, chunks):
     """
     T, K = x.shape
     if T <= (INT4_ROWS_MAX if q.dtype == np.uint8 else INT_ROWS_MAX):
-        _int_matmul(x, *work.quantized(T, K), q, scale, b, out, accumulate, chunks)
+        _int_matmul(x, *work.quantized(T, K), q, scale, b, out, accumulate, n_chunks)
     else:
-        inttiles._tiles_matmul(x, *work.widened(T, K), q, scale, b, out, accumulate, chunks)
+        inttiles._tiles_matmul(x, *work.widened(T, K), q, scale, b, out, accumulate, n_chunks)
 
 
 def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None = None):
@@ -320,26 +308,26 @@ def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None
                             or not out.flags.c_contiguous or not out.flags.writeable):
         raise ConfigError(f"out must be a writeable, C-contiguous float32 array of shape {(rows, V)}")
 
-    def head(h: np.ndarray, chunks: int) -> np.ndarray:
+    def head(h: np.ndarray, n_chunks: int) -> np.ndarray:
         # the tied head wte; BLAS already pinned by _forward
         logits = np.empty((len(h), V), np.float32) if out is None else out
-        _head_logits(w, h, logits, chunks)
+        _head_logits(w, h, logits, n_chunks)
         return logits
     return head
 
 
-def _head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, chunks: int) -> None:
+def _head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, n_chunks: int) -> None:
     """logits = h @ wte.T, by the kernel that suits wte's format and the rows. The integer
     formats multiply in integers, as _integer_matmul."""
     R, C = h.shape
     if w.scales:
-        _integer_matmul(h, w.wte, w.scales["wte"], None, logits, False, _workspace(w, R, get_threads()), chunks)
+        _integer_matmul(h, w.wte, w.scales["wte"], None, logits, False, _workspace(w, R, get_threads()), n_chunks)
     elif 2 <= R <= HEAD_ROWS_MAX:
-        _head_rows(w.wte, h, logits, chunks)
+        _head_rows(w.wte, h, logits, n_chunks)
     elif w.dtype == "float32":
-        _head(w.wte, h, logits, chunks)
+        _head(w.wte, h, logits, n_chunks)
     else:
-        _head_compact(w.wte, None, h, logits, chunks)
+        _head_compact(w.wte, None, h, logits, n_chunks)
 
 
 def head_inputs(w: GPT2Weights, h: np.ndarray):
@@ -347,19 +335,6 @@ def head_inputs(w: GPT2Weights, h: np.ndarray):
     integer formats h quantised and laid out for the integer tiles (inttiles.widen), as every
     integer product multiplies them."""
     return inttiles.widen(h) if w.scales else h
-
-
-def _split_k(T: int) -> bool:
-    """Whether a BLAS product over T rows splits the weights' rows, rather than the tokens, across threads.
-
-    Measured on 2 cores with GPT-2 small's matrices: splitting the weights wins from
-    1 token to 256 (each thread reads only its part of them), except at 2 tokens,
-    where one matrix-vector product per thread wins; from 256 on, splitting the
-    tokens is as fast or faster and needs no partial sums. (2 to ROWS_MAX rows, or
-    BF16_ROWS_MAX in bfloat16, go to _linear_rows instead whenever K is a multiple of
-    8, as in every GPT-2.)
-    """
-    return T != 2 and T <= 256
 
 
 # --- work buffers: sized by the rows of a pass, kept for the next one ------------------------------
@@ -389,9 +364,9 @@ class _Workspace:
         self._int8_scales = np.empty(0, np.float32)
         self._wide = np.empty(0, np.int16)
 
-    def scratch(self, T: int, chunks: int) -> np.ndarray:
+    def scratch(self, T: int, n_chunks: int) -> np.ndarray:
         """Where matrix products land first: T rows, or T partial rows per chunk (flat)."""
-        need = max((chunks if _split_k(T) else 1) * T, 2 * chunks, T + 1) * self.width
+        need = max((n_chunks if dispatch.split_k(T) else 1) * T, 2 * n_chunks, T + 1) * self.width
         if self._scratch.size < need:  # grows with the rows, or when the thread count grows
             self._scratch = np.empty(need, np.float32)
         return self._scratch

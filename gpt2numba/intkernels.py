@@ -1,7 +1,7 @@
 """Numba kernels of the integer formats (int8, int4; see compact.py).
 
 A product with an integer matrix takes its input rows quantised to int8 per group
-of GROUP (_quantize_rows). Up to INT_ROWS_MAX rows, _int_rows multiplies int8 by
+of GROUP (_quantize_rows). Up to dispatch.INT_ROWS_MAX rows, _int_rows multiplies int8 by
 int8 (int4 unpacked in registers) into int32, one group at a time, and scales once
 per group; its dot product, _dot_row, is written in LLVM's vector IR so that every
 x86 gets the CPU's 8-bit multiply-add (vpmaddubsw with AVX2, else pmaddwd; for int4
@@ -18,17 +18,10 @@ from numba.extending import intrinsic, overload
 
 from .chunks import _claimed, _span
 from .compact import GROUP as _GROUP
-from .kernels import _as_float32, _as_uint32, _x86_features
+from .dispatch import BYTE_MADD, MADD_WIDTH, NIBBLE_VNNI
+from .kernels import _as_float32, _as_uint32
 
 _HALF_GROUP = _GROUP // 2
-
-# Rows up to which _int_rows beats the tiles of inttiles.py (measured on 2 busy cores of an AMD EPYC
-# Zen 3, GPT-2 small's four matrices of a layer in int8, CPU time, medians of 15 alternating runs:
-# 10 rows 5.4 ms against the tiles' 5.9, 12 rows 6.3 against 5.9, 24 rows 12.2 against 9.2).
-# int4 unpacks its nibbles in every dot product, once per panel in the tiles: 2 rows 1.9 ms
-# against 2.9, 4 rows 3.0 against 3.1, 6 rows 4.7 against 4.5, 8 rows 6.5 against 4.7. Where its
-# nibbles are multiplied as they are (VNNI, AVX2), further (INT4_ROWS_MAX below).
-INT_ROWS_MAX = 10
 
 
 def _madd_pairs(builder, a, b):
@@ -39,7 +32,7 @@ def _madd_pairs(builder, a, b):
     on x86 the instruction is called by name, at the widest width the CPU has.
     """
     i32 = ir.IntType(32)
-    width = _MADD_WIDTH
+    width = MADD_WIDTH
     if width:
         return _concat(builder, [_x86(builder, _PMADDWD[width], ir.VectorType(i32, width // 2),
                                       _lanes(builder, a, range(k, k + width)), _lanes(builder, b, range(k, k + width)))
@@ -111,43 +104,12 @@ def _lanes(builder, v, lanes):
     return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)), lanes))
 
 
-def _madd_width():
-    """int16 lanes of the widest pmaddwd the target CPU has (as Numba compiles for it), or 0 off x86."""
-    enabled = _x86_features()
-    if enabled is None:
-        return 0
-    return 32 if "avx512bw" in enabled else 16 if "avx2" in enabled else 8
-
-
-_MADD_WIDTH = _madd_width()
-# AVX2's vpmaddubsw for one row's dot products (_dot_row); not with AVX-512, whose 512-bit pmaddwd path it
-# was not measured against
-_BYTE_MADD = _MADD_WIDTH == 16 and _GROUP % 32 == 0
-
-
-def _nibble_dpbusd():
-    """LLVM's names of VNNI's vpdpbusd, with which _dot_row multiplies int4's nibbles, by groups a step (one
-    group's 32 bytes, or two groups' 64 with AVX-512), if the CPU has it."""
-    features = _x86_features() or set()
-    if _GROUP != 32 or not ("avxvnni" in features or {"avx512vnni", "avx512vl"} <= features):
-        return None
-    names = {1: "llvm.x86.avx512.vpdpbusd.256"}  # AVX-VNNI's encoding where the CPU has no AVX-512
-    if "avx512vnni" in features:
-        names[2] = "llvm.x86.avx512.vpdpbusd.512"
-    return names
-
-
-_NIBBLE_DPBUSD = _nibble_dpbusd()
+# LLVM's names of VNNI's vpdpbusd, with which _dot_row multiplies int4's nibbles, by groups a step (one group's
+# 32 bytes in 256 bits, or two groups' 64 in 512), where the CPU has it; else None
+_NIBBLE_DPBUSD = {bits // 256: f"llvm.x86.avx512.vpdpbusd.{bits}" for bits in NIBBLE_VNNI} or None
 # int4's nibbles multiplied as stored (w + 8, unsigned), from sums that start at -8 times the inputs' fours: with
 # VNNI's vpdpbusd, or AVX2's vpmaddubsw, which then needs neither the 8 taken off nor the signs moved
-_NIBBLES_AS_STORED = _NIBBLE_DPBUSD is not None or _BYTE_MADD
-# (an AMD EPYC with AVX-512 VNNI, 2 threads, GPT-2 small's 12 layers, 2/4/8/12/16 rows, medians of 25
-# alternating runs: 4.5/7.7/13.5/20.3/26.2 ms against the tiles' 22.1/21.9/22.1/23.1/24.9; but in
-# decode_batch steps 12 rows were no faster than the tiles: 40.6 and 37.3 ms against 35.1 and 37.6)
-# With AVX2, nibbles as stored (_madd_bytes), two groups a step: 4/6/7/8 rows 10.5/15.6/17.2/19.7 ms against
-# the tiles' 14.7/19.1/18.5/19.6 (an AMD EPYC Zen 3, the same matrices by forward's _integer_matmul, medians of
-# 31 alternating runs)
-INT4_ROWS_MAX = 8 if _NIBBLE_DPBUSD else 7 if _BYTE_MADD else 4
+_NIBBLES_AS_STORED = _NIBBLE_DPBUSD is not None or BYTE_MADD
 
 
 @intrinsic
@@ -181,7 +143,7 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
         wa, wsa, xa, xsa, xca = (context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args, args))
         i8, i16, i32, f32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType(), ir.IntType(64)
         half = _HALF_GROUP
-        lanes_n = _GROUP // 4 if _BYTE_MADD or as_stored else half  # int32 sums of a group
+        lanes_n = _GROUP // 4 if BYTE_MADD or as_stored else half  # int32 sums of a group
 
         def vec(ty, n):
             return ir.VectorType(ty, n)
@@ -212,7 +174,7 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
             else:
                 if packed:
                     wv = builder.sub(wv, const(i8, n, 8))
-                sums = (_madd_signed_bytes(builder, wv, xv) if _BYTE_MADD
+                sums = (_madd_signed_bytes(builder, wv, xv) if BYTE_MADD
                         else _madd_pairs(builder, builder.sext(wv, vec(i16, n)), builder.sext(xv, vec(i16, n))))
             scales = builder.fmul(load(wsa.data, g, vec(f32, per)), load(xsa.data, g, vec(f32, per)))
             splat = builder.shuffle_vector(scales, scales, ir.Constant(vec(i32, per * lanes_n),
@@ -247,7 +209,7 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
         groups = builder.extract_value(wsa.shape, 0)
         # groups a step: two, in one 512-bit vpdpbusd, or with AVX2 in two 256-bit sums, each its own chain of
         # additions (one chain made every group wait for the last one's)
-        per = 2 if (2 in _NIBBLE_DPBUSD if nibbles_vnni else _BYTE_MADD) else 1
+        per = 2 if (2 in _NIBBLE_DPBUSD if nibbles_vnni else BYTE_MADD) else 1
         zero = ir.Constant(i64, 0)
         lanes = steps(zero, builder.sdiv(groups, ir.Constant(i64, per)), per, const(f32, per * lanes_n, 0.0))
         if per == 2:  # and the last group if their count is odd

@@ -8,7 +8,7 @@ buffer, in the order the tile reads it (_pack_panel), then runs the tile over ev
 block of TILE_ROWS input rows (_tile). The tile keeps TILE_ROWS x PANEL int32 sums in
 registers: per step of inputs it broadcasts each row's inputs of the step and
 multiplies them with PANEL outputs' weights in one multiply-add, so that no horizontal
-sum is ever needed. A step is one of two kinds, chosen from the CPU's features:
+sum is ever needed. A step is one of two kinds, as dispatch.py chose for the CPU:
 
 - pairs (QUADS false): inputs widened to int16, two a step, x86's pmaddwd at the widest
   width the CPU has;
@@ -35,11 +35,11 @@ from numba.extending import intrinsic, overload
 
 from .chunks import _claimed, _span
 from .compact import GROUP as _GROUP
-from .intkernels import _MADD_WIDTH, _PMADDWD, _quantize_rows, _x86
-from .kernels import _x86_features
+from .dispatch import MADD_WIDTH, ROW_CHUNKS, TILE_VNNI
+from .intkernels import _PMADDWD, _quantize_rows, _x86
 
 _HALF_GROUP = _GROUP // 2
-_LANES = (_MADD_WIDTH or 16) // 2  # int32 sums in one multiply-add: outputs per vector
+_LANES = (MADD_WIDTH or 16) // 2  # int32 sums in one multiply-add: outputs per vector
 _VECTORS = 2  # vectors of outputs per tile
 PANEL = _LANES * _VECTORS  # W's rows per panel: outputs of one tile
 TILE_ROWS = 4  # input rows per tile
@@ -47,21 +47,10 @@ K_BLOCK = 256  # inputs per repacked block of a panel (PANEL x K_BLOCK int16: in
 CHUNK_PANELS = 4  # panels per chunk of work: each block of rows is read once for all of them
 CHUNK = CHUNK_PANELS * PANEL  # outputs per chunk
 _BLOCK_WEIGHTS = K_BLOCK * PANEL  # weights of one panel's repacked block
-_ROW_CHUNKS = 32  # chunks of rows in _widen_rows
 _OFFSET = 128  # added to a quad's inputs, which vpdpbusd takes unsigned
 
 
-def _vpdpbusd():
-    """LLVM's name of VNNI's vpdpbusd at the tile's width, if the CPU Numba compiles for has it."""
-    features = _x86_features() or set()
-    if _LANES == 16 and "avx512vnni" in features:
-        return "llvm.x86.avx512.vpdpbusd.512"
-    if _LANES == 8 and ("avxvnni" in features or {"avx512vnni", "avx512vl"} <= features):
-        return "llvm.x86.avx512.vpdpbusd.256"  # AVX-VNNI's encoding where the CPU has no AVX-512
-    return None
-
-
-_DPBUSD = _vpdpbusd()
+_DPBUSD = f"llvm.x86.avx512.vpdpbusd.{TILE_VNNI}" if TILE_VNNI else None  # LLVM's name of VNNI's vpdpbusd
 QUADS = _DPBUSD is not None  # the steps forward.py lays the inputs out for
 WIDE = np.uint8 if QUADS else np.int16  # the dtype of _widen_rows's xw, which chooses the step
 
@@ -70,7 +59,7 @@ def _madd(builder, a, b):
     """<n/2 x i32>: a[2i] * b[2i] + a[2i+1] * b[2i+1] for <n x i16> vectors a, b (pmaddwd on x86)."""
     i32 = ir.IntType(32)
     n = a.type.count
-    if _MADD_WIDTH == n:
+    if MADD_WIDTH == n:
         return _x86(builder, _PMADDWD[n], ir.VectorType(i32, n // 2), a, b)
     half = ir.VectorType(i32, n // 2)
 
@@ -105,7 +94,7 @@ def _pin(builder, values):
     after each pair of inputs, the tile does one pair after another, with only its sums, a
     pair's weights and one broadcast live.
     """
-    if not _MADD_WIDTH:
+    if not MADD_WIDTH:
         return values
     n = len(values)
     ty = values[0].type
@@ -394,9 +383,9 @@ def _widen_rows(x, xq, xs, xw):
     T, K = x.shape
     offset = _layout(xw)[1]
     nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
-    for _ in prange(_ROW_CHUNKS):
-        for c in _claimed(nxt, _ROW_CHUNKS):
-            start, end = _span(c, _ROW_CHUNKS, T, 1)
+    for _ in prange(ROW_CHUNKS):
+        for c in _claimed(nxt, ROW_CHUNKS):
+            start, end = _span(c, ROW_CHUNKS, T, 1)
             _quantize_rows(x[start:end], xq[start:end], xs[start:end])
             for t in range(start, end):
                 for k in range(K):

@@ -28,6 +28,7 @@ from numba.extending import intrinsic, overload
 
 from .blas import _gemm
 from .chunks import _claimed, _span
+from .dispatch import F16C, ROW_CHUNKS, SERIAL_ROWS
 
 # LLVM fast-math minus nnan/ninf: reassociation lets reductions vectorise, while
 # comparisons with inf or nan keep their meaning.
@@ -67,15 +68,6 @@ def _exp_inplace(z, bits):
     scale = bits.view(np.float32)
     for j in range(z.size):
         z[j] *= scale[j]
-
-
-# Up to this many rows, the elementwise kernels (layernorm, GELU, split-k sums) run on the
-# calling thread: a parallel region costs a wake-up and a barrier, and on a busy machine the
-# barrier waits for whichever thread the OS took away. Decode steps then open one region per
-# matrix product and one for attention, not three more per layer.
-SERIAL_ROWS = 8
-# Chunks of rows in a parallel elementwise kernel, claimed as threads are free (chunks.py).
-ROW_CHUNKS = 32
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -247,25 +239,8 @@ def _float32_to_half_soft(x):
     return np.uint16((sign >> 16) | out)
 
 
-def _x86_features() -> set[str] | None:
-    """The x86 features enabled for the CPU Numba compiles for ("avx2", "f16c", ...), or None off x86."""
-    from llvmlite import binding
-    from numba.core import config
-
-    if not binding.get_process_triple().startswith(("x86_64", "i686", "i386")):
-        return None
-    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
-    return {f[1:] for f in features.split(",") if f.startswith("+")}
-
-
-def _f16c() -> bool:
-    """Whether LLVM converts half floats in instructions for the CPU Numba compiles for: off x86 (ARM has
-    them), or an x86 with F16C (every x86 with AVX2 has it)."""
-    features = _x86_features()
-    return features is None or "f16c" in features
-
-
-F16C = _f16c()
+# LLVM converts half floats in instructions off x86 (ARM has them) and on an x86 with F16C (every x86 with
+# AVX2); elsewhere it would call a runtime helper that Numba does not link
 _to_float32_f16 = _half_to_float32 if F16C else _half_to_float32_soft
 _to_half = _float32_to_half if F16C else _float32_to_half_soft
 

@@ -16,8 +16,9 @@ from numba.extending import overload
 from . import inttiles
 from .blas import _gemm
 from .chunks import _claimed, _span
+from .dispatch import ROW_CHUNKS, SERIAL_ROWS
 from .intkernels import _widen_group
-from .kernels import FASTMATH, ROW_CHUNKS, SERIAL_ROWS, _as_float32, _exp_inplace, _x86_features
+from .kernels import FASTMATH, _as_float32, _exp_inplace
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -147,38 +148,14 @@ def _rows_update(x, t, u, k, w, lo, hi, a, b):
         b[j] += ((y0 * v0 + y1 * v1) + (y2 * v2 + y3 * v3)) + ((y4 * v4 + y5 * v5) + (y6 * v6 + y7 * v7))
 
 
-def _rows_max() -> tuple[int, int, int]:
-    """Up to how many rows _linear_rows beats single-threaded BLAS blocks, (float32, bfloat16), and _head_rows
-    the head's BLAS products and the compact heads' widened chunks, for the CPU Numba compiles for: BLAS
-    repacks the weights for so few rows, and bfloat16 must first widen them.
-    Measured on 2 cores, GPT-2 small's matrices, decode_batch steps at context 128:
-    - With AVX-512 (an AMD EPYC, SciPy's OpenBLAS, before blas.py): the kernel won up to 64 rows,
-      and the head by rows 1.6x at 8 rows in float32, 2.2x in bfloat16; above 16, unmeasured.
-    - With AVX2 only (an AMD EPYC, Zen 3; NumPy's OpenBLAS through blas.py; in one process, the
-      thresholds alternating, medians of 9 to 15): BLAS took, of the kernel's time, in float32
-      0.88x at 2 rows, 1.04-1.08x at 3, 0.93-0.97x at 4, 0.80-0.84x at 8, 0.69x at 16; in
-      bfloat16 1.25x at 4 rows, 1.17x at 6, 0.97x at 8, 0.76x at 12. The head by BLAS took
-      1.01-1.02x at 8 rows in float32, 0.97-1.02x at 12, 0.95-0.96x at 16; in bfloat16 1.03x at 8,
-      0.95x at 12. So BLAS from 4 rows of float32 (2 and 3 rows together are level either way), from 8 of
-      bfloat16, and for the head from 11.
-    Off x86, unmeasured: 64, as before."""
-    features = _x86_features()
-    if features is None or "avx512f" in features:
-        return 64, 64, 16
-    return 3, 7, 10
-
-
-ROWS_MAX, BF16_ROWS_MAX, HEAD_ROWS_MAX = _rows_max()
-
-
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _linear_rows(x, w, b, scratch, out, accumulate, n_chunks):
     """out (+)= x @ W + b for a few rows, reading W as stored: float32 or bfloat16 bits.
 
-    x: (T, K), K a multiple of 8; w: (K, N); b: (N,); out: (T, N); scratch: flat float32 of at least (T + 1) * N. A chunk
-    is a span of columns (whole cache lines), its part of w streamed eight rows at a time,
-    updating two rows of accumulators per pass: every weight read serves two rows of x (an odd
-    last row is paired with itself, its twin's sums going to a spare row).
+    x: (T, K), K a multiple of 8; w: (K, N); b: (N,); out: (T, N); scratch: flat float32 of at
+    least (T + 1) * N. A chunk is a span of columns (whole cache lines), its part of w streamed
+    eight rows at a time, updating two rows of accumulators per pass: every weight read serves
+    two rows of x (an odd last row is paired with itself, its twin's sums going to a spare row).
     """
     T, K = x.shape
     N = w.shape[1]

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 import gpt2numba as g
-from gpt2numba import compact, forward, pool
+from gpt2numba import compact, dispatch, forward, pool
 from gpt2numba.bench.core import Load, machine, set_idle_patience, wait_for_idle
 
 def products(w, rows, threads):
@@ -31,7 +31,7 @@ def products(w, rows, threads):
     cfg = w.config
     C = cfg.n_embd
     work = forward._workspace(w, rows, threads)
-    chunks = max(forward.MIN_CHUNKS, threads * forward.CHUNKS_PER_THREAD)
+    n_chunks = dispatch.n_chunks(threads)
     rng = np.random.default_rng(0)
     shapes = {"c_attn_w": (C, 3 * C), "attn_c_proj_w": (C, C),  # (inputs, outputs)
               "c_fc_w": (C, 4 * C), "mlp_c_proj_w": (4 * C, C)}
@@ -40,7 +40,7 @@ def products(w, rows, threads):
 
     def run():
         for x, field, b, out in jobs:
-            forward._matmul(x, field, 0, b, out, False, w, work, chunks)
+            forward._matmul(x, field, 0, b, out, False, w, work, n_chunks)
     return run, sum(rows * x.shape[1] * out.shape[1] for x, _, _, out in jobs)
 
 

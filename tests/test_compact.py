@@ -17,8 +17,8 @@ from threadpoolctl import threadpool_limits
 import gpt2numba as g
 from checkpoints import write_dir
 from conftest import TINY
-from gpt2numba import compact, intkernels, inttiles, matkernels, oracle
-from gpt2numba.intkernels import INT_ROWS_MAX
+from gpt2numba import compact, dispatch, intkernels, inttiles, matkernels, oracle
+from gpt2numba.dispatch import INT_ROWS_MAX
 from helpers import check_chunks, check_generate_batch, check_prefill, randn
 
 COMPACT = ["bfloat16", "int8", "int4"]
@@ -74,14 +74,14 @@ def test_int4_nibble_order():
 groups = st.integers(1, 4).map(lambda n: n * compact.GROUP)
 
 
-@given(K=st.integers(1, 300), N=st.integers(1, 70), n_blocks=st.integers(1, 3), accumulate=st.booleans(),
+@given(K=st.integers(1, 300), N=st.integers(1, 70), n_chunks=st.integers(1, 3), accumulate=st.booleans(),
        seed=st.integers(0, 2**32 - 1))
-def test_gemv_bfloat16(K, N, n_blocks, accumulate, seed):
+def test_gemv_bfloat16(K, N, n_chunks, accumulate, seed):
     rng = np.random.default_rng(seed)
     stored = compact.to_bfloat16(randn(rng, K, N))
     x, b, out = randn(rng, 1, K), randn(rng, N), randn(rng, 1, N)
     ref = (out.astype(np.float64) if accumulate else 0) + x @ compact.from_bfloat16(stored) + b
-    matkernels._gemv_bf16(x, stored, b, np.empty(n_blocks * N, np.float32), out, accumulate, n_blocks)
+    matkernels._gemv_bf16(x, stored, b, np.empty(n_chunks * N, np.float32), out, accumulate, n_chunks)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -112,9 +112,9 @@ def test_quantize_rows(shape, zero_group, seed):
     assert (np.abs(q) <= 127).all() and (np.abs(compact.dequantize(q, s) - x) <= 0.5 * np.repeat(s, 32, -1) + 1e-7).all()
 
 
-@given(shape=rows, N=st.integers(1, 70), n_blocks=st.integers(1, 3), accumulate=st.booleans(), bias=st.booleans(),
+@given(shape=rows, N=st.integers(1, 70), n_chunks=st.integers(1, 3), accumulate=st.booleans(), bias=st.booleans(),
        dtype=st.sampled_from(INTEGER), seed=st.integers(0, 2**32 - 1))
-def test_int_rows(shape, N, n_blocks, accumulate, bias, dtype, seed):
+def test_int_rows(shape, N, n_chunks, accumulate, bias, dtype, seed):
     """Integer products against NumPy on the values both sides stand for (sizes off the vector width too)."""
     rng = np.random.default_rng(seed)
     T, K = shape
@@ -125,10 +125,10 @@ def test_int_rows(shape, N, n_blocks, accumulate, bias, dtype, seed):
     ref = (out.astype(np.float64) if accumulate else 0) + compact.dequantize(xq, xs) @ compact.dequantize(stored, scale).T
     ref += b if bias else 0
     fused = out.copy()
-    intkernels._int_rows(xq, xs, stored, scale, b, out, accumulate, n_blocks)
+    intkernels._int_rows(xq, xs, stored, scale, b, out, accumulate, n_chunks)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
     # the same from x, quantised on the way (_int_matmul, what forward calls)
-    intkernels._int_matmul(x, np.empty_like(xq), np.empty_like(xs), stored, scale, b, fused, accumulate, n_blocks)
+    intkernels._int_matmul(x, np.empty_like(xq), np.empty_like(xs), stored, scale, b, fused, accumulate, n_chunks)
     np.testing.assert_array_equal(fused, out)
 
 
@@ -228,7 +228,7 @@ def test_integer_kernels_use_the_integer_multiply_add(dtype, kernel):
         fresh(np.zeros((rows, 64), inttiles.WIDE), np.zeros((rows, 2), np.float32), 1, stored, scale, None, out, False, 1)
     asm = "\n".join(fresh.inspect_asm().values()).lower()
     assert any(op in asm for op in ("pmaddwd", "vpdpwssd", "vpdpbusd")), f"no 8-bit multiply-add in {kernel}"
-    if kernel == "_int_rows" and intkernels._BYTE_MADD:
+    if kernel == "_int_rows" and dispatch.BYTE_MADD:
         assert "vpmaddubsw" in asm, "one row's dot products do not multiply bytes (AVX2's vpmaddubsw)"
     if kernel == "_int_rows" and dtype == "int4" and intkernels._NIBBLE_DPBUSD:
         assert "vpdpbusd" in asm, "one row's int4 dot products do not multiply the nibbles with VNNI's vpdpbusd"
@@ -284,30 +284,30 @@ def test_integer_kernels_use_vnni_where_the_cpu_has_it(cpu, tmp_path):
     assert "vpdpbusd" in result["int4_rows"].lower(), "one row's int4 dot products do not use vpdpbusd"
 
 
-@given(V=st.integers(1, 1100), C=groups, R=st.integers(1, 4), n_blocks=st.integers(1, 3),
+@given(V=st.integers(1, 1100), C=groups, R=st.integers(1, 4), n_chunks=st.integers(1, 3),
        dtype=st.sampled_from(COMPACT), seed=st.integers(0, 2**32 - 1))
-def test_head(V, C, R, n_blocks, dtype, seed):
+def test_head(V, C, R, n_chunks, dtype, seed):
     def head(stored, scale, h, out):
         with threadpool_limits(1, user_api="blas"):
-            matkernels._head_compact(stored, scale, h, out, n_blocks)  # (the integer formats' callers round h first)
+            matkernels._head_compact(stored, scale, h, out, n_chunks)  # (the integer formats' callers round h first)
     check_head(head, V, C, R, dtype, seed)
 
 
 @given(T=st.integers(2, 7), K=st.integers(1, 12).map(lambda n: 8 * n), N=st.integers(1, 70),
-       n_blocks=st.integers(1, 3), accumulate=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_linear_rows_bfloat16(T, K, N, n_blocks, accumulate, seed):
+       n_chunks=st.integers(1, 3), accumulate=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_linear_rows_bfloat16(T, K, N, n_chunks, accumulate, seed):
     """A few rows against the bfloat16 matrix read as stored."""
     rng = np.random.default_rng(seed)
     stored = compact.to_bfloat16(randn(rng, K, N))
     x, b, out = randn(rng, T, K), randn(rng, N), randn(rng, T, N)
     ref = (out.astype(np.float64) if accumulate else 0) + x @ compact.from_bfloat16(stored) + b
-    matkernels._linear_rows(x, stored, b, np.empty((T + 1) * N, np.float32), out, accumulate, n_blocks)
+    matkernels._linear_rows(x, stored, b, np.empty((T + 1) * N, np.float32), out, accumulate, n_chunks)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
-@given(V=st.integers(1, 60), C=groups, R=st.integers(2, 5), n_blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
-def test_head_rows_bfloat16(V, C, R, n_blocks, seed):
-    check_head(lambda stored, scale, h, out: matkernels._head_rows(stored, h, out, n_blocks), V, C, R, "bfloat16", seed)
+@given(V=st.integers(1, 60), C=groups, R=st.integers(2, 5), n_chunks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_head_rows_bfloat16(V, C, R, n_chunks, seed):
+    check_head(lambda stored, scale, h, out: matkernels._head_rows(stored, h, out, n_chunks), V, C, R, "bfloat16", seed)
 
 
 def check_head(head, V, C, R, dtype, seed):

@@ -1,4 +1,5 @@
-"""The package's layout: imports point one way (no circles), modules and functions a reader can hold."""
+"""The package's layout: imports point one way (no circles), modules and functions a reader can hold, the CPU
+read in one place."""
 
 import ast
 import importlib
@@ -134,3 +135,47 @@ def test_function_sizes(room):
                 longest.append((node.end_lineno - node.lineno + 1, f"{path.name}:{node.lineno} {node.name}"))
     size, where = max(longest)
     assert size <= MAX_FUNCTION_LINES, f"{where}: {size} lines"
+
+
+# What reads the CPU's features: LLVM's and Numba's views of the host (and NUMBA_CPU_FEATURES), the probe of
+# dispatch.py, NumPy's table, the platform module's CPU name, /proc/cpuinfo and the cpuinfo package
+_CPU_PROBES = {"get_host_cpu_features", "get_host_cpu_name", "get_process_triple", "CPU_FEATURES", "CPU_NAME",
+               "x86_features", "__cpu_features__"}
+
+
+def cpu_reads(source: str) -> list[str]:
+    """Where ``source`` reads the CPU's features: the probes above, called or named, by attribute or import,
+    a string naming /proc/cpuinfo, an import of the cpuinfo package."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and (node.attr in _CPU_PROBES or node.attr == "processor"
+                                                and isinstance(node.value, ast.Name) and node.value.id == "platform"):
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in _CPU_PROBES:
+            found.append(f"line {node.lineno}: {node.id}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            found += [f"line {node.lineno}: import {n}" for n in names if n in _CPU_PROBES or n.split(".")[0] == "cpuinfo"]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "/proc/cpuinfo" in node.value:
+            found.append(f"line {node.lineno}: {node.value[:40]!r}")
+    return found
+
+
+def test_the_cpu_is_read_in_dispatch_only():
+    """dispatch.py probes the CPU once and holds every choice made from it; no other module reads the CPU's
+    features (pool.py's platform.machine() is the architecture the pool is built for, not a feature)."""
+    readers = {name: reads for name, path in modules().items()
+               if name != "gpt2numba.dispatch" and (reads := cpu_reads(path.read_text()))}
+    assert not readers, f"modules that read the CPU besides dispatch.py: {readers}"
+    assert cpu_reads((PACKAGE / "dispatch.py").read_text())  # the search sees dispatch's own probes
+
+
+def test_the_search_finds_a_cpu_read():
+    """The search can fail: each way of reading the CPU, written by hand, is found."""
+    for source in ("from llvmlite import binding\nbinding.get_host_cpu_features()",
+                   "from numba.core import config\nfeatures = config.CPU_FEATURES",
+                   "from .dispatch import x86_features", "from . import dispatch\ndispatch.x86_features()",
+                   "import platform\nplatform.processor()", "open('/proc/cpuinfo').read()", "import cpuinfo",
+                   "from numpy._core._multiarray_umath import __cpu_features__"):
+        assert cpu_reads(source), source
+    assert not cpu_reads("import platform\nplatform.machine()\nfrom .dispatch import ROWS_MAX")

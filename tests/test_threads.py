@@ -1,7 +1,7 @@
 """Results do not depend on how the work is scheduled: thread counts, the pool and threading layers.
 
 Every parallel kernel cuts its work into the same chunks whatever the thread count
-(forward.MIN_CHUNKS) and threads claim them as they are free (chunks.py), so 1 and 2
+(dispatch.MIN_CHUNKS) and threads claim them as they are free (chunks.py), so 1 and 2
 threads, gpt2numba's pool (pool.py) and every threading layer of Numba's, must give the same bits.
 """
 
@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 import gpt2numba as g
-from gpt2numba import forward
+from gpt2numba import dispatch, forward
 
 from conftest import TINY
 
 pytestmark = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
 
-# A prompt past kernels.SERIAL_ROWS (the chunked elementwise kernels) and past ROWS_MAX
+# A prompt past dispatch.SERIAL_ROWS (the chunked elementwise kernels) and past ROWS_MAX
 # and INT_ROWS_MAX (the BLAS paths, the integer tiles), one past 256 (blocks of tokens, not
 # of weights), a ragged batch, and one decode step.
 _SCRIPT = """
@@ -92,9 +92,9 @@ def test_chunks_do_not_follow_the_thread_count(monkeypatch):
     seen = []
     real = forward._attention_plan
 
-    def spy(row0, pos0, n_head, n_blocks):
-        seen.append(n_blocks)
-        return real(row0, pos0, n_head, n_blocks)
+    def spy(row0, pos0, n_head, n_chunks):
+        seen.append(n_chunks)
+        return real(row0, pos0, n_head, n_chunks)
     monkeypatch.setattr(forward, "_attention_plan", spy)
     w = g.random_weights(TINY, seed=0)
     before = g.get_threads()
@@ -104,7 +104,7 @@ def test_chunks_do_not_follow_the_thread_count(monkeypatch):
             g.prefill([1, 2, 3], w, g.ModelCache(TINY))
     finally:
         g.set_threads(before)
-    assert seen == [forward.MIN_CHUNKS, forward.MIN_CHUNKS]
+    assert seen == [dispatch.MIN_CHUNKS, dispatch.MIN_CHUNKS]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import platform
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -402,13 +400,9 @@ def wait_for_idle(threshold=0.1, patience_s=None):
 def machine():
     """What the figures were measured on: the CPU (as Linux names it) and how the integer tiles multiply on it."""
     from .. import inttiles
+    from ..dispatch import cpu_name
 
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or platform.machine()
-    return {"cpu": cpu, "cpus": os.cpu_count(), "python": sys.version.split()[0],
+    return {"cpu": cpu_name(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
             "integer_tiles": "vpdpbusd (VNNI)" if inttiles.QUADS else "pmaddwd"}
 
 

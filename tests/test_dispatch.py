@@ -1,0 +1,44 @@
+"""dispatch.py: the choices per instruction set, as its table says, and the cut of work that follows them."""
+
+import pytest
+
+from gpt2numba import dispatch
+
+_SSE = {"64bit", "sse", "sse2", "sse3", "ssse3", "sse4.1", "sse4.2", "popcnt", "cx16"}
+_AVX2 = _SSE | {"avx", "avx2", "fma", "f16c", "bmi", "bmi2", "lzcnt", "movbe"}
+_AVX512 = _AVX2 | {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
+
+# dispatch.py's table: (ROWS_MAX, BF16_ROWS_MAX, HEAD_ROWS_MAX, INT_ROWS_MAX, INT4_ROWS_MAX, tiles' vpdpbusd bits),
+# and the instructions behind them (F16C, pmaddwd's int16 lanes, vpmaddubsw, vpdpbusd for int4's nibbles)
+TABLE = {
+    "AVX-512 with VNNI": (_AVX512 | {"avx512vnni"}, (64, 64, 16, 10, 8, 512), (True, 32, False, (256, 512))),
+    "AVX-512": (_AVX512, (64, 64, 16, 10, 4, 0), (True, 32, False, ())),
+    "AVX2 with AVX-VNNI": (_AVX2 | {"avxvnni"}, (3, 7, 10, 10, 8, 256), (True, 16, True, (256,))),
+    "AVX2": (_AVX2, (3, 7, 10, 10, 7, 0), (True, 16, True, ())),
+    "AVX": (_SSE | {"avx"}, (3, 7, 10, 10, 4, 0), (False, 8, False, ())),
+    "SSE2": (_SSE, (3, 7, 10, 10, 4, 0), (False, 8, False, ())),
+    "not x86": (None, (64, 64, 16, 10, 4, 0), (True, 0, False, ())),
+}
+
+
+@pytest.mark.parametrize("isa", TABLE)
+def test_choices_per_instruction_set(isa):
+    features, thresholds, instructions = TABLE[isa]
+    c = dispatch.choose(None if features is None else frozenset(features))
+    assert (c.rows_max, c.bf16_rows_max, c.head_rows_max, c.int_rows_max, c.int4_rows_max, c.tile_vnni) == thresholds
+    assert (c.f16c, c.madd_width, c.byte_madd, c.nibble_vnni) == instructions
+
+
+def test_this_cpu_is_chosen_for_once():
+    assert dispatch.CHOICES == dispatch.choose(dispatch.FEATURES)
+    assert (dispatch.ROWS_MAX, dispatch.INT4_ROWS_MAX, dispatch.TILE_VNNI) == (
+        dispatch.CHOICES.rows_max, dispatch.CHOICES.int4_rows_max, dispatch.CHOICES.tile_vnni)
+
+
+def test_the_cut_of_work():
+    """The same chunks for 1 and 2 threads (the same bits), 4 a thread beyond; the weights split up to
+    SPLIT_K_ROWS rows but at 2; past it, one GEMM a thread."""
+    assert dispatch.n_chunks(1) == dispatch.n_chunks(2) == dispatch.MIN_CHUNKS == 8
+    assert dispatch.n_chunks(12) == 48
+    assert [dispatch.split_k(t) for t in (1, 2, 3, 256, 257)] == [True, False, True, True, False]
+    assert dispatch.blas_chunks(100, 8) == 8 and dispatch.blas_chunks(512, 8) == 2 and dispatch.blas_chunks(2, 16) == 4
