@@ -35,6 +35,7 @@ import os
 import platform
 import sys
 import threading
+import warnings
 
 import numba
 import numpy as np
@@ -49,7 +50,7 @@ MASK_WORDS = 16  # CPU masks of up to 1024 CPUs
 
 # the state: int64 words; those written by different threads a cache line apart
 GEN, BUSY, SLEEPERS, WAITING, NEXT, DONE = 0, 8, 16, 24, 32, 40
-FN, ARGS, DIMS, STEPS, DATA, NARR, NDIM, TOTAL, NTHREADS, NWORK, PIN = range(48, 59)
+FN, ARGS, DIMS, STEPS, DATA, NARR, NDIM, TOTAL, NTHREADS, NWORK, PIN, LAZY, START = range(48, 61)
 MAX_THREADS = 64
 PER_THREAD = 8 * MAX_THREADS  # words of each per-thread array: thread k's (0 is the caller) at 8 k
 TIDS, RUNNING, MOVED, SEEN_CPU = (64 + i * PER_THREAD for i in range(4))
@@ -155,6 +156,16 @@ def _call_kernel(typingctx, fn, args, dims, steps, data):
                          _p(builder, llargs[3]), builder.inttoptr(llargs[4], _i8p)])
         return context.get_dummy_value()
     return types.none(types.int64, types.int64, types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _call_void(typingctx, fn):
+    """fn(): a C function without arguments or result, at an address."""
+    def codegen(context, builder, sig, llargs):
+        f = builder.inttoptr(llargs[0], ir.FunctionType(ir.VoidType(), []).as_pointer())
+        builder.call(f, [])
+        return context.get_dummy_value()
+    return types.none(types.int64), codegen
 
 
 @intrinsic
@@ -298,6 +309,8 @@ def _caller_mask():
 def _parallel_for(fn, args, dims, steps, data, inner_ndim, array_count, num_threads):
     """Numba's numba_parallel_for: run the schedule's entries (dims[0] of them) on up to num_threads threads."""
     f, a, d, st, dt = _address(fn), _address(args), _address(dims), _address(steps), _address(data)
+    if _load(_at(LAZY)) != 0 and _cas(_at(LAZY), 1, 0):  # the first region since a fork: start the threads
+        _call_void(_load(_at(START)))
     total = _load(d)
     n_threads = min(num_threads, _load(_at(NWORK)) + 1)
     if (n_threads <= 1 or total <= 1 or array_count > SPACE or inner_ndim + 1 > SPACE
@@ -368,6 +381,7 @@ def install() -> None:
     except Exception:  # no layer loads here: the first parallel kernel will say so, as without the pool
         return
     _start()
+    _state[START] = ctypes.cast(_start_in_region, ctypes.c_void_p).value
     ll.add_symbol("numba_parallel_for", _parallel_for.address)
     ll.add_symbol("get_thread_id", _get_thread_id.address)
     atexit.register(_stop)
@@ -415,10 +429,25 @@ def _stop() -> None:
 
 
 def _after_fork() -> None:
-    """In a forked child only the forking thread exists: start the pool's threads again."""
+    """In a forked child only the forking thread exists. Its regions run on it alone until the first one
+    starts the pool's threads (_start_in_region): a child that only execs, such as the one between fork
+    and exec of ``subprocess.Popen(preexec_fn=...)``, never starts a thread."""
     _threads.clear()
+    start = _state[START]
     _state[:] = 0
-    _start()
+    _state[START] = start
+    _state[LAZY] = 1
+
+
+@ctypes.CFUNCTYPE(None)
+def _start_in_region() -> None:
+    """_start, called from the first parallel region after a fork (ctypes takes the GIL, which the region
+    has let go)."""
+    try:
+        _start()
+    except Exception as e:  # the region runs on its caller alone, as before a start
+        warnings.warn(f"gpt2numba's pool could not start its threads after a fork ({e!r}); parallel "
+                      f"regions run on their caller alone", RuntimeWarning, stacklevel=1)
 
 
 def describe() -> str:
