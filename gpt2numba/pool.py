@@ -16,10 +16,11 @@ run each schedule on a pool of threads of ours, the caller among them:
   entry belongs to, so a thread that read a job late can never run an entry of the next.
 - Waiting spins (``pause``, never a yield), then sleeps on a futex.
 - When the threads cover every CPU the process may use, each is pinned to its own CPU (the
-  caller only during a forward pass, ``pinned()``). Then a neighbour shares one CPU with one
-  thread. If it preempts that thread in the middle of an entry, the caller, once idle,
-  sees that the thread's CPU time has stopped and moves the thread to its own CPU; the
-  thread pins itself back once it has run its entries.
+  caller only during a forward pass, and only while no other Python thread runs one:
+  ``pinned()``). Then a neighbour shares one CPU with one thread. If it preempts that
+  thread in the middle of an entry, the caller, once idle, sees that the thread's CPU time
+  has stopped and moves the thread to its own CPU; the thread pins itself back once it has
+  run its entries.
 
 Which thread runs an entry never changes what the entry computes (chunks.py), so results
 are the same bits as under Numba's own layer. A region started while another runs (another
@@ -432,7 +433,11 @@ def _after_fork() -> None:
     """In a forked child only the forking thread exists. Its regions run on it alone until the first one
     starts the pool's threads (_start_in_region): a child that only execs, such as the one between fork
     and exec of ``subprocess.Popen(preexec_fn=...)``, never starts a thread."""
+    global _passes_lock
     _threads.clear()
+    _passes.clear()  # (the other threads in passes are not in the child)
+    _holder.clear()
+    _passes_lock = threading.Lock()  # another thread may have held it at the fork
     start = _state[START]
     _state[:] = 0
     _state[START] = start
@@ -458,20 +463,50 @@ def describe() -> str:
     return f"gpt2numba's pool of {n} thread{'s' * (n > 1)}" + (", pinned one to a CPU" if _cpus else "")
 
 
+_passes: dict[int, int] = {}  # native id of each Python thread inside a pass: how deep
+_holder: list = []  # [native id, its CPUs before] of the one caller pinned, if any
+_passes_lock = threading.Lock()
+
+
 class pinned:
-    """Pin the calling thread to the first CPU for the block, when the pool pins its threads."""
+    """A forward pass: its caller is pinned to the first CPU while it is the only Python thread in a pass.
+
+    Pinned, the caller keeps a CPU of its own beside the pool's threads. Two or more callers at once are
+    none of them pinned (the first is unpinned when the second enters): pinned, they would all share the
+    first CPU, where the one running a region on the pool spins while the others wait for it.
+    """
 
     def __enter__(self):
-        self.before = None
-        if _cpus and _state[NWORK] and numba.get_num_threads() > 1:
-            before = os.sched_getaffinity(0)
-            try:
-                os.sched_setaffinity(0, {_cpus[0]})
-                self.before = before
-            except OSError:  # the CPU is no longer ours to use: run unpinned
-                pass
+        me = threading.get_native_id()
+        with _passes_lock:
+            _passes[me] = _passes.get(me, 0) + 1
+            if len(_passes) > 1:
+                _unpin_holder()
+            elif not _holder and _cpus and _state[NWORK] and numba.get_num_threads() > 1:
+                before = os.sched_getaffinity(0)
+                try:
+                    os.sched_setaffinity(0, {_cpus[0]})
+                    _holder[:] = [me, before]
+                except OSError:  # the CPU is no longer ours to use: run unpinned
+                    pass
         return self
 
     def __exit__(self, *exc):
-        if self.before is not None:
-            os.sched_setaffinity(0, self.before)
+        me = threading.get_native_id()
+        with _passes_lock:
+            _passes[me] -= 1
+            if not _passes[me]:
+                del _passes[me]
+                if _holder and _holder[0] == me:
+                    _unpin_holder()
+
+
+def _unpin_holder() -> None:
+    """Give the pinned caller, if any, back the CPUs it had (under _passes_lock)."""
+    if _holder:
+        tid, before = _holder
+        _holder.clear()
+        try:
+            os.sched_setaffinity(tid if tid != threading.get_native_id() else 0, before)
+        except OSError:  # the thread has ended
+            pass

@@ -72,3 +72,62 @@ print("forks ok")
 
 def test_a_forked_child_starts_its_threads_at_its_first_region_and_a_child_that_execs_never():
     assert "forks ok" in _run(_FORK).stdout
+
+
+def _passes(w, dtype_cache="float32"):
+    """Prefill, decodes, a ragged batch prefill and a batch decode on ``w``: every logit, stacked rows."""
+    mc = g.ModelCache(TINY, dtype=dtype_cache)
+    rows = [g.prefill(np.arange(1, 50) * 7 % 512, w, mc)]
+    for _ in range(3):
+        rows.append(g.decode_step(int(rows[-1].argmax()), w, mc))
+    caches = [g.ModelCache(TINY, dtype=dtype_cache) for _ in range(3)]
+    rows.extend(g.prefill_batch([[5], [1, 2, 3], list(range(9, 40))], w, caches))
+    rows.extend(g.decode_batch([4, 5, 6], w, caches))
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_four_python_threads_at_once_give_the_bits_of_a_lone_call(dtype):
+    """Four Python threads in passes at once (one runs each region on the pool, the others alone on
+    their callers): every logit the same bits as the same calls made alone, round after round."""
+    weights = [g.random_weights(TINY, seed=s, dtype=dtype) for s in range(4)]
+    alone = [_passes(w) for w in weights]
+    with concurrent.futures.ThreadPoolExecutor(4) as threads:
+        for _ in range(3):
+            together = list(threads.map(_passes, weights))
+            for a, b in zip(alone, together):
+                np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(not pool._cpus, reason="the pool pins its threads only when they cover every CPU")
+def test_only_a_lone_caller_is_pinned():
+    """One thread in a pass is pinned to the first CPU; a second entering unpins it and is not pinned
+    itself (pinned, both would share one CPU); each gets its CPUs back."""
+    import threading
+
+    g.prefill([1, 2, 3], g.random_weights(TINY, seed=0), g.ModelCache(TINY))  # the pool's threads started
+    before = os.sched_getaffinity(0)
+    first_in, second_done = threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with pool.pinned():
+            seen["first alone"] = os.sched_getaffinity(0)
+            seen["first tid"] = threading.get_native_id()
+            first_in.set()
+            second_done.wait(60)
+            seen["first after"] = os.sched_getaffinity(0)
+        seen["first out"] = os.sched_getaffinity(0)
+
+    def second():
+        first_in.wait(60)
+        with pool.pinned():
+            seen["second"] = os.sched_getaffinity(0)
+            seen["first, beside it"] = os.sched_getaffinity(seen["first tid"])
+        second_done.set()
+
+    a, b = threading.Thread(target=first), threading.Thread(target=second)
+    a.start(), b.start()
+    a.join(120), b.join(120)
+    assert seen["first alone"] == {pool._cpus[0]}
+    assert seen["second"] == seen["first, beside it"] == seen["first after"] == seen["first out"] == before
