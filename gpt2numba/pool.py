@@ -26,6 +26,12 @@ Which thread runs an entry never changes what the entry computes (chunks.py), so
 are the same bits as under Numba's own layer. A region started while another runs (another
 Python thread, or a prange inside a prange) runs on its caller alone. ``GPT2NUMBA_POOL=0``
 in the environment keeps Numba's threading layer.
+
+The hook's call is Numba's private ABI, copied here: install() checks it at run time. It
+keeps Numba's layer, with one warning, on a Numba outside the releases tested
+(TESTED_NUMBA), or when one small region through the pool (_self_check) does not reach
+_parallel_for with the arguments Numba's lowering gives it, or its entries do not run on the
+pool's threads under their own thread ids.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import warnings
 import numba
 import numpy as np
 from llvmlite import binding as ll, ir
-from numba import cfunc, njit, types
+from numba import cfunc, njit, prange, types
 from numba.extending import intrinsic
 
 SPIN = 4000  # pauses (25-40 ns each) a waiting thread spins before it sleeps
@@ -52,10 +58,13 @@ MASK_WORDS = 16  # CPU masks of up to 1024 CPUs
 # the state: int64 words; those written by different threads a cache line apart
 GEN, BUSY, SLEEPERS, WAITING, NEXT, DONE = 0, 8, 16, 24, 32, 40
 FN, ARGS, DIMS, STEPS, DATA, NARR, NDIM, TOTAL, NTHREADS, NWORK, PIN, LAZY, START = range(48, 61)
+# the self-check (_self_check): PROBE 1 records a region's arguments in SEEN, 2 also leaves its entries to the
+# pool's threads; PROBE_TS: address of the timespec the caller then waits at most
+PROBE, PROBE_TS, SEEN = 64, 65, 66  # SEEN..SEEN+4: total, array_count, inner_ndim, num_threads, regions
 MAX_THREADS = 64
 PER_THREAD = 8 * MAX_THREADS  # words of each per-thread array: thread k's (0 is the caller) at 8 k
-TIDS, RUNNING, MOVED, SEEN_CPU = (64 + i * PER_THREAD for i in range(4))
-WORDS = 64 + 4 * PER_THREAD
+TIDS, RUNNING, MOVED, SEEN_CPU = (128 + i * PER_THREAD for i in range(4))
+WORDS = 128 + 4 * PER_THREAD
 _state = np.zeros(WORDS, np.int64)
 _space = np.zeros((MAX_THREADS, 2, SPACE), np.int64)  # per thread: argument pointers, counts
 _masks = np.zeros((MAX_THREADS, MASK_WORDS), np.uint64)  # per thread: its CPU
@@ -65,6 +74,8 @@ ll.add_symbol("gpt2numba_pool_masks", _masks.ctypes.data)
 
 SYS_GETTID, SYS_FUTEX, SYS_SCHED_SETAFFINITY, SYS_CLOCK_GETTIME, SYS_GETCPU = 186, 202, 203, 228, 309  # x86-64
 FUTEX_WAIT, FUTEX_WAKE = 128, 129  # the process-private forms
+ETIMEDOUT = 110
+TESTED_NUMBA = ((0, 59), (0, 68))  # the oldest and newest Numba (major, minor) whose call the pool was tested with
 _MASK32 = (1 << 32) - 1
 
 _i64, _i8p = ir.IntType(64), ir.IntType(8).as_pointer()
@@ -182,8 +193,9 @@ def _at(word):
 
 
 @njit(nogil=True, cache=True)
-def _futex_wait(word, expected):
-    _syscall(SYS_FUTEX, _at(word), FUTEX_WAIT, expected & _MASK32, 0)
+def _futex_wait(word, expected, timeout):
+    """-ETIMEDOUT once ``timeout`` (the address of a timespec; 0: none) has passed."""
+    return _syscall(SYS_FUTEX, _at(word), FUTEX_WAIT, expected & _MASK32, timeout)
 
 
 @njit(nogil=True, cache=True)
@@ -192,12 +204,15 @@ def _futex_wake(word):
 
 
 @njit(nogil=True, cache=True)
-def _sleep_while(word, value, count):
-    """Sleep while ``word`` holds ``value``; ``count`` tells the writer someone is asleep and needs waking."""
+def _sleep_while(word, value, count, timeout=0):
+    """Sleep while ``word`` holds ``value``; ``count`` tells the writer someone is asleep and needs waking.
+    Returns whether a ``timeout`` (see _futex_wait) ended the sleep."""
     _add(_at(count), 1)
+    out = 0
     if _load(_at(word)) == value:
-        _futex_wait(word, value)
+        out = _futex_wait(word, value, timeout)
     _add(_at(count), -1)
+    return out == -ETIMEDOUT
 
 
 @njit(nogil=True, cache=True)
@@ -306,13 +321,20 @@ def _caller_mask():
 
 
 @cfunc(types.void(types.voidptr, types.voidptr, types.voidptr, types.voidptr, types.voidptr,
-                  types.intp, types.intp, types.intc), cache=True)
+                  types.intp, types.intp, types.intp), cache=True)
 def _parallel_for(fn, args, dims, steps, data, inner_ndim, array_count, num_threads):
     """Numba's numba_parallel_for: run the schedule's entries (dims[0] of them) on up to num_threads threads."""
     f, a, d, st, dt = _address(fn), _address(args), _address(dims), _address(steps), _address(data)
     if _load(_at(LAZY)) != 0 and _cas(_at(LAZY), 1, 0):  # the first region since a fork: start the threads
         _call_void(_load(_at(START)))
     total = _load(d)
+    probe = _load(_at(PROBE))
+    if probe != 0:
+        _store(_at(SEEN), total)
+        _store(_at(SEEN + 1), array_count)
+        _store(_at(SEEN + 2), inner_ndim)
+        _store(_at(SEEN + 3), num_threads)
+        _add(_at(SEEN + 4), 1)
     n_threads = min(num_threads, _load(_at(NWORK)) + 1)
     if (n_threads <= 1 or total <= 1 or array_count > SPACE or inner_ndim + 1 > SPACE
             or not _cas(_at(BUSY), 0, 1)):
@@ -335,7 +357,8 @@ def _parallel_for(fn, args, dims, steps, data, inner_ndim, array_count, num_thre
     _add(_at(GEN), 1)  # even: published (sequentially consistent, before SLEEPERS is read)
     if _load(_at(SLEEPERS)) > 0:
         _futex_wake(GEN)
-    _run_entries(g, 0)
+    if probe != 2:
+        _run_entries(g, 0)
     pinned = _load(_at(PIN)) != 0
     spins = 0
     done = _load(_at(DONE))
@@ -345,6 +368,9 @@ def _parallel_for(fn, args, dims, steps, data, inner_ndim, array_count, num_thre
             spins += 1
             if pinned and spins % CHECK == 0:
                 _rescue(n_threads)
+        elif probe == 2:  # the self-check: after the wait, what the threads left runs here (and shows)
+            if _sleep_while(DONE, done, WAITING, _load(_at(PROBE_TS))):
+                _run_entries(g, 0)
         else:
             _sleep_while(DONE, done, WAITING)
         done = _load(_at(DONE))
@@ -367,26 +393,105 @@ _threads: list[threading.Thread] = []
 _cpus: list[int] = []
 
 
+_off: list[str] = []  # why the pool fell back to Numba's layer at install, if it did
+_probe_timeout = np.array([10, 0], np.int64)  # s, ns: how long the self-check waits for the pool's threads
+HOOKED = ("numba_parallel_for", "get_thread_id")  # Numba's symbols the pool replaces
+
+
 def enabled() -> bool:
-    """Whether regions run on the pool: on x86-64 Linux (its system calls), unless GPT2NUMBA_POOL=0."""
+    """Whether regions run on the pool: on x86-64 Linux (its system calls), unless GPT2NUMBA_POOL=0 or the
+    install fell back to Numba's layer (an untested Numba, a failed self-check)."""
     return (os.environ.get("GPT2NUMBA_POOL", "1") != "0" and sys.platform.startswith("linux")
-            and platform.machine() == "x86_64")
+            and platform.machine() == "x86_64" and not _off)
 
 
 def install() -> None:
-    """Route Numba's parallel regions through the pool and start its threads (one fewer than Numba's)."""
+    """Route Numba's parallel regions through the pool and start its threads (one fewer than Numba's).
+
+    On a Numba outside TESTED_NUMBA (unless GPT2NUMBA_POOL=force), or when the self-check finds the
+    hook called otherwise than this module expects, Numba's own layer keeps the regions: one
+    RuntimeWarning says why, and describe() too.
+    """
     from numba.np.ufunc import parallel
 
     try:
         parallel._launch_threads()  # Numba's layer first, whose symbols ours then replace
     except Exception:  # no layer loads here: the first parallel kernel will say so, as without the pool
         return
-    _start()
-    _state[START] = ctypes.cast(_start_in_region, ctypes.c_void_p).value
-    ll.add_symbol("numba_parallel_for", _parallel_for.address)
-    ll.add_symbol("get_thread_id", _get_thread_id.address)
-    atexit.register(_stop)
-    os.register_at_fork(after_in_child=_after_fork)
+    why = _untested_numba()
+    if why is None:
+        numbas = {name: ll.address_of_symbol(name) for name in HOOKED}
+        _start()
+        _state[START] = ctypes.cast(_start_in_region, ctypes.c_void_p).value
+        ll.add_symbol("numba_parallel_for", _parallel_for.address)
+        ll.add_symbol("get_thread_id", _get_thread_id.address)
+        atexit.register(_stop)
+        os.register_at_fork(after_in_child=_after_fork)
+        why = _self_check()
+        if why is not None:
+            _stop()
+            for name, address in numbas.items():
+                ll.add_symbol(name, address)
+    if why is not None:
+        _off.append(why)
+        warnings.warn(f"gpt2numba's thread pool is off, parallel regions run on Numba's {numba.threading_layer()} "
+                      f"threading layer: {why}", RuntimeWarning, stacklevel=2)
+
+
+def _untested_numba() -> str | None:
+    """Why this Numba is not one the pool was tested with, or None."""
+    version = tuple(int(part) for part in numba.__version__.split(".")[:2])
+    (lo, hi) = TESTED_NUMBA
+    if lo <= version <= hi or os.environ.get("GPT2NUMBA_POOL") == "force":
+        return None
+    return (f"Numba {numba.__version__} is outside the releases its hook was tested with "
+            f"({lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}; GPT2NUMBA_POOL=force tries it)")
+
+
+@njit(parallel=True, cache=True)
+def _probe(out):
+    """out: int64 (n, 2): each iteration writes its index and the id of the thread that ran it."""
+    for i in prange(out.shape[0]):
+        out[i, 0] = i
+        out[i, 1] = numba.get_thread_id()
+
+
+def _expected_call(n_threads: int) -> dict:
+    """The arguments _probe's region must reach _parallel_for with (Numba's parfor lowering and
+    build_gufunc_wrapper): a schedule of one entry per thread, two arrays (the schedule and out), three
+    symbolic dimensions (the schedule's width and out's two), Numba's thread count."""
+    return {"total": n_threads, "array_count": 2, "inner_ndim": 3, "num_threads": n_threads, "regions": 1}
+
+
+def _self_check() -> str | None:
+    """Why the hook is unfit, or None: one region of _probe through the pool, its entries left to the pool's
+    threads, must reach _parallel_for with the expected arguments, run every iteration once, and see
+    thread ids of the pool's threads (those of _get_thread_id)."""
+    n = numba.get_num_threads()
+    workers = int(_state[NWORK]) if n > 1 else 0
+    out = np.full((4 * n, 2), -1, np.int64)
+    _state[SEEN: SEEN + 5] = 0
+    _state[PROBE_TS] = _probe_timeout.ctypes.data
+    _state[PROBE] = 2 if workers else 1
+    try:
+        _probe(out)
+    except Exception as e:
+        return f"the self-check's parallel region failed: {e!r}"
+    finally:
+        _state[PROBE] = 0
+    seen = dict(zip(("total", "array_count", "inner_ndim", "num_threads", "regions"),
+                    _state[SEEN: SEEN + 5].tolist()))
+    expected = _expected_call(n)
+    if seen != expected:
+        return f"Numba called numba_parallel_for with {seen}, not the expected {expected}"
+    if not np.array_equal(out[:, 0], np.arange(len(out))):
+        return f"the self-check's region ran its iterations other than once each: {out[:, 0].tolist()}"
+    ids = set(out[:, 1].tolist())
+    allowed = set(range(1, workers + 1)) if workers else {0}
+    if not ids <= allowed:
+        return (f"the self-check's region saw thread ids {sorted(ids)}, not those of the pool's threads "
+                f"{sorted(allowed)}")
+    return None
 
 
 def _start() -> None:
@@ -434,6 +539,8 @@ def _after_fork() -> None:
     starts the pool's threads (_start_in_region): a child that only execs, such as the one between fork
     and exec of ``subprocess.Popen(preexec_fn=...)``, never starts a thread."""
     global _passes_lock
+    if _off:
+        return
     _threads.clear()
     _passes.clear()  # (the other threads in passes are not in the child)
     _holder.clear()
@@ -458,7 +565,8 @@ def _start_in_region() -> None:
 def describe() -> str:
     """Where this process's parallel regions run, for reports."""
     if not enabled():
-        return f"Numba's {numba.threading_layer()} threading layer"
+        off = f" (gpt2numba's pool is off: {_off[0]})" if _off else ""
+        return f"Numba's {numba.threading_layer()} threading layer{off}"
     n = int(_state[NWORK]) + 1
     return f"gpt2numba's pool of {n} thread{'s' * (n > 1)}" + (", pinned one to a CPU" if _cpus else "")
 

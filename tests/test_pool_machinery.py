@@ -131,3 +131,88 @@ def test_only_a_lone_caller_is_pinned():
     a.join(120), b.join(120)
     assert seen["first alone"] == {pool._cpus[0]}
     assert seen["second"] == seen["first, beside it"] == seen["first after"] == seen["first out"] == before
+
+
+_FALL_BACK = """
+import hashlib, sys, types, warnings
+import numba
+import numpy as np
+from llvmlite import binding as ll
+sys.path.insert(0, "tests")
+warnings.simplefilter("always")
+{patch}
+with warnings.catch_warnings(record=True) as caught:
+    import gpt2numba as g
+    from gpt2numba import pool
+    from conftest import TINY
+    logits = g.prefill(np.arange(40) * 3 % 512, g.random_weights(TINY, seed=2), g.ModelCache(TINY))
+ours = [str(w.message) for w in caught if "gpt2numba's thread pool is off" in str(w.message)]
+print(repr(ours))
+print(pool.describe())
+print(pool.enabled(), ll.address_of_symbol("numba_parallel_for") == pool._parallel_for.address, len(pool._threads))
+print(hashlib.sha256(logits.tobytes()).hexdigest())
+"""
+
+# the package's modules without its __init__ (which installs the pool), to patch pool.py first
+_EARLY_POOL = """
+sys.modules["gpt2numba"] = types.ModuleType("gpt2numba")
+sys.modules["gpt2numba"].__path__ = ["gpt2numba"]
+import gpt2numba.pool
+del sys.modules["gpt2numba"]
+"""
+
+
+def _fall_back(patch: str, env: dict | None = None) -> tuple[list, str, str, str]:
+    """The fall-back script's (warnings, describe(), 'enabled hooked threads', digest of the logits)."""
+    lines = _run(_FALL_BACK.format(patch=patch), env).stdout.splitlines()
+    return eval(lines[0]), lines[1], lines[2], lines[3]
+
+
+def _digest_here() -> str:
+    import hashlib
+    logits = g.prefill(np.arange(40) * 3 % 512, g.random_weights(TINY, seed=2), g.ModelCache(TINY))
+    return hashlib.sha256(logits.tobytes()).hexdigest()
+
+
+def test_a_hook_called_otherwise_than_expected_falls_back_to_numbas_layer_with_one_warning():
+    """A Numba that passes numba_parallel_for one array more than pool.py expects (simulated: the
+    expectation changed): the self-check says so once, Numba's layer runs the regions, same logits."""
+    patch = _EARLY_POOL + """
+real = gpt2numba.pool._expected_call
+gpt2numba.pool._expected_call = lambda n: {**real(n), "array_count": real(n)["array_count"] + 1}
+"""
+    warned, described, state, digest = _fall_back(patch)
+    assert len(warned) == 1 and "not the expected" in warned[0] and "'array_count': 3" in warned[0], warned
+    assert described.startswith("Numba's ") and "pool is off" in described and "array_count" in described
+    assert state == "False False 0"
+    assert digest == _digest_here()
+
+
+def test_thread_ids_that_are_not_the_pools_fail_the_self_check():
+    """A get_thread_id that does not know the pool's threads (simulated: their recorded ids wiped once
+    they started): the probe's entries, run by those threads, report thread 0, and the check says so."""
+    patch = _EARLY_POOL + """
+real = gpt2numba.pool._start
+def start():
+    real()
+    for k in range(1, gpt2numba.pool._state[gpt2numba.pool.NWORK] + 1):
+        gpt2numba.pool._state[gpt2numba.pool.TIDS + 8 * k] = -1
+gpt2numba.pool._start = start
+"""
+    warned, described, state, digest = _fall_back(patch)
+    assert len(warned) == 1 and "thread ids [0]" in warned[0], warned
+    assert state == "False False 0"
+    assert digest == _digest_here()
+
+
+def test_an_untested_numba_falls_back_unless_forced():
+    """Simulated by a tested range that leaves this Numba out (patching numba.__version__ instead would
+    rewrite every cached kernel: Numba's cache index records its version)."""
+    patch = _EARLY_POOL + "gpt2numba.pool.TESTED_NUMBA = ((0, 50), (0, 51))"
+    warned, described, state, _ = _fall_back(patch)
+    assert len(warned) == 1 and f"Numba {numba.__version__} is outside" in warned[0], warned
+    assert "0.50 to 0.51" in warned[0] and "pool is off" in described
+    assert state == "False False 0"
+    warned, described, state, _ = _fall_back(patch, {"GPT2NUMBA_POOL": "force"})
+    assert warned == [] and described.startswith("gpt2numba's pool")
+    assert state == f"True True {numba.config.NUMBA_NUM_THREADS - 1}"
