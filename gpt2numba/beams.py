@@ -10,9 +10,8 @@ are finished; False when the best running beam, at its current length, cannot be
 "never" as False but at the longest length when length_penalty > 0 (the exact bound).
 
 The beams of every prompt share one forward pass a step (decode_batch). A beam that takes a parent's place
-takes its cache; a second child of one parent gets a copy of the parent's rows (ModelCache.copy_prefix)
-into the cache of a beam that has no child, from the first row where the two differ (the prompt's rows,
-and those of a shared history, are alike in every cache of one prompt).
+takes its cache; a second child of one parent takes the cache of a beam that has no child, which then
+reads the parent's rows in place (ModelCache.copy_prefix shares them; no row is copied).
 """
 
 from __future__ import annotations
@@ -158,7 +157,6 @@ class _Beams:
             self.finished = sorted(self.finished + new, key=lambda hypothesis: -hypothesis[0])[: s.num_beams]
         kept = np.argsort(-(scores - _FAR * ends), kind="stable")[: s.num_beams]
         self.scores = scores[kept] - _FAR * ends[kept]
-        self._previous = self.running
         self.running = [self.running[parents[i]] + [int(tokens[i])] for i in kept]
         longest = s.max_new_tokens if s.early_stopping == "never" and s.length_penalty > 0 else length
         worst = self.finished[-1][0] if len(self.finished) == s.num_beams else -_FAR
@@ -171,27 +169,17 @@ class _Beams:
             self._reorder(parents[kept])
 
     def _reorder(self, parents: np.ndarray) -> None:
-        """Each running beam's cache: its parent's own for the first child, a copy of it for the others."""
+        """Each running beam's cache: its parent's own for the first child; for the others a free cache
+        that reads the parent's rows in place (ModelCache.copy_prefix: nothing is copied)."""
         caches = [None] * len(parents)
         taken = set()
         for i, p in enumerate(parents):
             if p not in taken:
                 caches[i] = self.caches[p]
                 taken.add(p)
-        free = [(q, mc) for q, mc in enumerate(self.caches) if q not in taken] + [(None, mc) for mc in self.spare]
+        free = [mc for q, mc in enumerate(self.caches) if q not in taken] + self.spare
         for i, p in enumerate(parents):
-            if caches[i] is None:  # the free cache that holds most of p's rows already
-                shared, j = max((self._shared_rows(p, q), j) for j, (q, _) in enumerate(free))
-                caches[i] = free.pop(j)[1]
-                caches[i].copy_prefix(self.caches[p], start=shared)
-        self.caches, self.spare = caches, [mc for _, mc in free]
-
-    def _shared_rows(self, p: int, q: int | None) -> int:
-        """How many leading rows the caches of beams p and q (None: a spare) hold alike: the prompt's, and
-        those of the tokens their histories share, which came from one ancestor's rows. (self.running is
-        already the next step's; the histories before it are one token shorter.)"""
-        if q is None:
-            return 0
-        a, b = self._previous[p], self._previous[q]
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        return len(self.prompt) + same
+            if caches[i] is None:
+                caches[i] = free.pop()
+                caches[i].copy_prefix(self.caches[p])
+        self.caches, self.spare = caches, free

@@ -22,9 +22,8 @@ import weakref
 
 import numba
 import numpy as np
-from numba import typed
 
-from . import checks, compact, dispatch, pool
+from . import checks, compact, dispatch, kvcache, pool
 from .config import GPT2Config
 from .dispatch import BF16_ROWS_MAX, HEAD_ROWS_MAX, INT4_ROWS_MAX, INT_ROWS_MAX, ROWS_MAX
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
@@ -230,8 +229,7 @@ def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], h
     work = _workspace(w, N, threads)
     x, h, qkv, a, f = work.x[:N], work.h[:N], work.qkv[:N], work.a[:N], work.f[:N]
     x[...] = _embed(np.concatenate(seqs), np.repeat(pos0 - row0[:-1], counts) + np.arange(N), w)
-    ks, vs = ((caches[0]._k, caches[0]._v) if B == 1  # as stored; one sequence's arrays need no list (_cache_of)
-              else (typed.List([mc._k for mc in caches]), typed.List([mc._v for mc in caches])))
+    ks, vs, runs, run0 = kvcache.stores(caches)
     half = caches[0].dtype == "float16"  # (for uint16 caches: float16 bits, else bfloat16)
     written = np.repeat(pos0[:, None], cfg.n_layer, axis=1)  # (B, n_layer) positions each layer holds
     tiles, bounds = _attention_plan(row0, pos0, cfg.n_head, n_chunks)
@@ -241,8 +239,8 @@ def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], h
         for layer in range(cfg.n_layer):
             _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
             linear(h, "c_attn_w", layer, w.c_attn_b[layer], out=qkv, accumulate=False)
-            _write_kv(qkv, ks, vs, row0, pos0, layer, written, half)
-            _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, a, work.attend, half)
+            _write_kv(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half)
+            _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, a, work.attend, half)
             linear(a, "attn_c_proj_w", layer, w.attn_c_proj_b[layer], out=x, accumulate=True)
 
             _layernorm(x, w.ln_2_g[layer], w.ln_2_b[layer], eps, h)

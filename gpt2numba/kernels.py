@@ -12,9 +12,12 @@ two thread pools never compete for the cores.
 
 A batch is ragged: sequence b's rows are row0[b]..row0[b+1]-1 of the stacked
 rows, and its first row sits at position pos0[b] (the length its cache held).
-Its keys and values live in its own cache, ks[b] and vs[b] (typed lists of
-(n_layer, H, max_len, D) arrays, one per sequence; for one sequence, its arrays
-themselves: _cache_of).
+Its keys and values are kept in runs of positions, runs[run0[b]:run0[b+1]], each
+(store, first, end, row): positions first..end-1 are rows row.. of ks[store] and
+vs[store], (n_layer, H, rows, D) arrays (typed lists; for one sequence in one run,
+its arrays themselves: _cache_of). Runs of several sequences may name the same
+store (a shared history read in place); a sequence's last run is its own cache,
+row == first, where its new rows are written.
 Masking is by loop bounds (a query at position pos reads positions 0..pos): no
 -inf enters the arithmetic, so fastmath stays safe.
 """
@@ -140,9 +143,9 @@ def _gelu(x):
 
 
 def _cache_of(caches, b):
-    """Sequence b's (n_layer, H, max_len, D) cache array, from ``caches``: a typed list of B sequences'
-    arrays, or for one sequence its array itself (a typed list costs a decode step about 80 µs to build
-    and 4 µs in every call that takes two)."""
+    """Store b's (n_layer, H, rows, D) array, from ``caches``: a typed list of the stores' arrays, or for one
+    store its array itself (a typed list costs a decode step about 80 µs to build and 4 µs in every call
+    that takes two)."""
 
 
 @overload(_cache_of, inline="always")
@@ -153,18 +156,19 @@ def _cache_of_typed(caches, b):
 
 
 @njit(cache=True, nogil=True)
-def _write_kv(qkv, ks, vs, row0, pos0, layer, written, half):
-    """Copy the keys and values of every new row into one layer of its sequence's cache.
+def _write_kv(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half):
+    """Copy the keys and values of every new row into one layer of its sequence's own cache.
 
-    qkv: (N, 3C) rows [q | k | v]; ks, vs: B caches' (n_layer, H, max_len, D) (_cache_of), float32, or
-    uint16 bits of float16 (``half``) or bfloat16 (not ``half``), rounded to nearest even;
-    row0: (B + 1,); pos0: (B,); written: (B, n_layer) int64, where
+    qkv: (N, 3C) rows [q | k | v]; ks, vs, runs, run0: the stores and each sequence's runs (the module's
+    docstring), float32, or uint16 bits of float16 (``half``) or bfloat16 (not ``half``), rounded to nearest
+    even; row0: (B + 1,); pos0: (B,); written: (B, n_layer) int64, where
     written[b, layer] becomes the positions this layer now holds for sequence b.
     """
     H, D = _cache_of(ks, 0).shape[1], _cache_of(ks, 0).shape[3]
     C = H * D
     for b in range(pos0.size):
-        k, v = _cache_of(ks, b), _cache_of(vs, b)
+        own = runs[run0[b + 1] - 1, 0]  # the last run: the sequence's own cache, rows at their positions
+        k, v = _cache_of(ks, own), _cache_of(vs, own)
         for i in range(row0[b], row0[b + 1]):
             pos = pos0[b] + i - row0[b]
             for h in range(H):
@@ -274,65 +278,99 @@ def _store_row_typed(src, dst, half):
     return store_bits
 
 
-def _times_cache(a, cache, layer, h, n, dense, out, half, keys):
+def _times_cache(a, ks, runs, lo, hi, layer, h, n, dense, out, half, keys):
     """out = a @ K.T when ``keys`` (a: queries (m, D); out: their scores (m, n)), else out = a @ V (a: weights
-    (m, n); out: (m, D)); K or V: rows 0..n-1 of one head of one layer of a cache (n_layer, H, max_len, D), as
-    float32; dense: (P, D) float32 scratch for a compact cache's rows widened."""
+    (m, n); out: (m, D)); K or V: positions 0..n-1 of one head of one layer, kept in runs[lo:hi] of the stores
+    ks (the module's docstring), read as float32; dense: (P, D) float32 scratch for rows gathered from several
+    runs or widened from a compact cache. The result is the same, to the bit, however the rows are split
+    into runs: one query's sums run over the positions in order, and BLAS sees them in one (n, D) block."""
 
 
 @overload(_times_cache, inline="always")
-def _times_cache_typed(a, cache, layer, h, n, dense, out, half, keys):
-    if cache.dtype != types.float32:
-        def from_bits(a, cache, layer, h, n, dense, out, half, keys):
-            _gemm(a, _widened(cache, layer, h, n, dense, half), out, keys)
+def _times_cache_typed(a, ks, runs, lo, hi, layer, h, n, dense, out, half, keys):
+    array = ks if isinstance(ks, types.Array) else ks.item_type
+    if array.dtype != types.float32:
+        def from_bits(a, ks, runs, lo, hi, layer, h, n, dense, out, half, keys):
+            _gemm(a, _gathered(ks, runs, lo, hi, layer, h, n, dense, half), out, keys)
         return from_bits
 
-    def blas(a, cache, layer, h, n, dense, out, half, keys):
+    def blas(a, ks, runs, lo, hi, layer, h, n, dense, out, half, keys):
         if a.shape[0] > 1:
-            _gemm(a, cache[layer, h, :n], out, keys)
+            if runs[lo, 2] >= n:  # one run holds them all: BLAS reads them in place
+                row = runs[lo, 3]
+                _gemm(a, _cache_of(ks, runs[lo, 0])[layer, h, row : row + n], out, keys)
+            else:
+                _gemm(a, _gathered(ks, runs, lo, hi, layer, h, n, dense, half), out, keys)
             return
-        rows = cache[layer, h]  # one query (a decode step): a loop costs less than a BLAS call
-        if keys:
-            _query_scores(a, rows, n, out)
-            return
-        _query_values(a, rows, n, out)
+        for j in range(lo, hi):  # one query (a decode step): a loop costs less than a BLAS call
+            first, end, row = runs[j, 1], min(runs[j, 2], n), runs[j, 3]
+            if first >= n:
+                break
+            rows = _cache_of(ks, runs[j, 0])[layer, h]  # position t is rows[t + row - first]
+            if keys:
+                _query_scores(a, rows, first, end, row - first, out)
+            else:
+                _query_values(a, rows, first, end, row - first, out, j == lo)
     return blas
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _query_scores(q, keys, n, s):
-    """s[0, t] = q[0] . keys[t] for t < n: one query's scores. q: (1, D); keys: (max_len, D); s: (1, n)."""
-    for t in range(n):
+def _query_scores(q, keys, first, end, shift, s):
+    """s[0, t] = q[0] . keys[t + shift] for first <= t < end: one query's scores. q: (1, D); keys: (rows, D);
+    s: (1, n)."""
+    for t in range(first, end):
         acc = np.float32(0.0)
         for d in range(q.shape[1]):
-            acc += q[0, d] * keys[t, d]
+            acc += q[0, d] * keys[t + shift, d]
         s[0, t] = acc
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _query_values(s, values, n, out):
-    """out[0] = the sum over t < n of s[0, t] values[t]: one query's values. s: (1, n); values: (max_len, D);
-    out: (1, D)."""
-    out[0, :] = 0.0
-    for t in range(n):
+def _query_values(s, values, first, end, shift, out, zero):
+    """out[0] (+)= the sum over first <= t < end of s[0, t] values[t + shift], from zero when ``zero``: one
+    query's values. s: (1, n); values: (rows, D); out: (1, D)."""
+    if zero:
+        out[0, :] = 0.0
+    for t in range(first, end):
         p = s[0, t]
         for d in range(out.shape[1]):
-            out[0, d] += p * values[t, d]
+            out[0, d] += p * values[t + shift, d]
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
-def _widened(cache, layer, h, n, dense, half):
-    """Rows 0..n-1 of one head of one layer of a compact cache widened into dense (P, D); a view of them."""
-    D = cache.shape[3]
-    bits = cache[layer, h, :n].reshape(n * D)  # (n * D,): the rows are contiguous
-    out = dense[:n].reshape(n * D)
-    if half:
-        for j in range(n * D):
-            out[j] = _to_float32_f16(bits[j])
-    else:
-        for j in range(n * D):
-            out[j] = _as_float32(np.uint32(bits[j]) << 16)
+def _gathered(ks, runs, lo, hi, layer, h, n, dense, half):
+    """Positions 0..n-1 of one head of one layer, from runs[lo:hi] of ks, as float32 rows of dense (P, D),
+    widened from a compact cache's bits; a view of them."""
+    D = dense.shape[1]
+    for j in range(lo, hi):
+        first, end, row = runs[j, 1], min(runs[j, 2], n), runs[j, 3]
+        if first >= n:
+            break
+        bits = _cache_of(ks, runs[j, 0])[layer, h, row : row + end - first].reshape((end - first) * D)
+        out = dense[first:end].reshape((end - first) * D)
+        _widen(bits, out, half)
     return dense[:n]
+
+
+def _widen(bits, out, half):
+    """out[:] = bits as float32: a copy of float32, or float16 (``half``) or bfloat16 bits (uint16) widened."""
+
+
+@overload(_widen, inline="always")
+def _widen_typed(bits, out, half):
+    if bits.dtype == types.float32:
+        def copy(bits, out, half):
+            out[:] = bits
+        return copy
+
+    def from_bits(bits, out, half):
+        if half:
+            for j in range(bits.size):
+                out[j] = _to_float32_f16(bits[j])
+        else:
+            for j in range(bits.size):
+                out[j] = _as_float32(np.uint32(bits[j]) << 16)
+    return from_bits
 
 
 # Queries per attention tile: a tile's scores are one BLAS product against the keys it may see.
@@ -378,11 +416,12 @@ def _attention_plan(row0, pos0, n_head, n_chunks):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch, half):
-    """Causal attention of every new row over its own sequence's cache.
+def _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scratch, half):
+    """Causal attention of every new row over its own sequence's history.
 
-    qkv: (N, 3C), queries in columns [0, C); ks, vs: B caches' (n_layer, H,
-    max_len, D) (_cache_of), rows 0..pos0[b] + T_b - 1 of ``layer`` already written; row0:
+    qkv: (N, 3C), queries in columns [0, C); ks, vs, runs, run0: the stores and each
+    sequence's runs (the module's docstring), positions 0..pos0[b] + T_b - 1 of ``layer``
+    already written; row0:
     (B + 1,); pos0: (B,); tiles, bounds: from _attention_plan, its runs claimed by the
     threads as they are free; out: (N, C), heads side by side; scratch: (threads,
     attend_width(D, P)), a row per thread. For a tile of
@@ -390,7 +429,7 @@ def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch, half):
     0..pos0[b]+i1-1; the softmax of the query at pos reads keys 0..pos only and
     zeroes the rest, so the mask is exact and by loop bounds. A compact cache (uint16
     bits: float16 when ``half``, else bfloat16) has the tile's visible keys, then its
-    values, widened into the thread's (P, D) float32 block first (_widened): memory
+    values, widened into the thread's (P, D) float32 block first (_gathered): memory
     is read at 2 bytes a value, BLAS still multiplies float32. (For one query, a hand
     loop over the 2-byte rows, no widened block, measured the same: decode at context
     900 with int4 weights, 0.88-0.90x the float32 cache's time against 0.87-0.88x.)
@@ -418,7 +457,7 @@ def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch, half):
                 for i in range(m):
                     for d in range(D):
                         q[i, d] = qkv[first + i, h * D + d] * scale
-                _times_cache(q, _cache_of(ks, b), layer, h, n, dense, s, half, True)
+                _times_cache(q, ks, runs, run0[b], run0[b + 1], layer, h, n, dense, s, half, True)
                 for i in range(m):
                     pos = start + i
                     row = s[i, : pos + 1]  # the keys the query at pos may see
@@ -430,7 +469,7 @@ def _attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch, half):
                     for t in range(pos + 1):
                         row[t] *= inv
                     s[i, pos + 1:] = 0.0
-                _times_cache(s, _cache_of(vs, b), layer, h, n, dense, q, half, False)
+                _times_cache(s, vs, runs, run0[b], run0[b + 1], layer, h, n, dense, q, half, False)
                 for i in range(m):
                     for d in range(D):
                         out[first + i, h * D + d] = q[i, d]

@@ -1,7 +1,8 @@
 """PrefixCache: the keys and values of recent prompts, kept in blocks of BLOCK tokens and found by prefix.
 
 A server's clients send the same system text or few-shot examples again and again. A new prompt
-takes the longest run of whole blocks it shares with prompts seen before and prefills only the rest,
+takes the longest run of whole blocks it shares with prompts seen before, read in place (not copied),
+and prefills only the rest,
 as vLLM's automatic prefix caching does. A block is found by its own tokens and the block before it,
 so a block stands for the whole prefix up to its end, matched exactly (no hash that could collide).
 Memory is bounded: past ``max_bytes`` the least recently used block goes, and since a block is always
@@ -62,8 +63,8 @@ class PrefixCache:
                 break
             chain.append(block)
             parent = block
-        for block in chain:
-            cache.extend(block.k, block.v)
+        for block in chain:  # read in place: a block is never written once stored
+            cache._extend_shared(block.k, block.v)
         self._touch(chain)
         if chain:
             self.hits += 1
@@ -81,7 +82,8 @@ class PrefixCache:
             if block is None:
                 if len(self._recent) >= self.max_blocks and not self._evict(chain):
                     break
-                block = _Block(key, cache.k[:, :, start : start + BLOCK].copy(), cache.v[:, :, start : start + BLOCK].copy())
+                k, v = cache._rows(start, start + BLOCK)
+                block = _Block(key, k.copy(), v.copy())
                 self._index[key] = block
             self._recent[block] = None  # (most recent for now: kept while the rest of the chain is stored)
             self._recent.move_to_end(block)

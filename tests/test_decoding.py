@@ -213,9 +213,9 @@ def test_beam_search_refuses_a_bad_setting(tiny, setting, value):
         g.beam_search_batch([[1, 2, 3]], tiny, **settings)  # (beam_search's own keywords are Python's to check)
 
 
-def test_copy_prefix_from_a_start_copies_only_the_rest_and_checks_it(tiny):
-    """Rows before ``start`` stay this cache's own (the caller vouches they are alike); a start past what this
-    cache holds, or past the length copied, is refused with nothing changed."""
+def test_copy_prefix_checks_its_start(tiny):
+    """A start past what this cache holds, or past the length taken, is refused with nothing changed; a good
+    one takes src's rows (the caller vouches that the first ``start`` are alike)."""
     a, b = g.ModelCache(tiny.config), g.ModelCache(tiny.config)
     g.prefill([1, 2, 3, 4], tiny, a)
     g.prefill([1, 2, 9], tiny, b)

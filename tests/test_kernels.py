@@ -56,59 +56,107 @@ def _widened(stored, kv_dtype):
     return compact.from_bfloat16(stored) if kv_dtype == "bfloat16" else stored
 
 
-def _batch_case(rng, model, seqs, kv_dtype="float32"):
-    """qkv (N, 3C) stacked rows, ks and vs (one random cache per sequence, stored as kv_dtype), row0, pos0."""
+def _batch_case(rng, model, seqs, kv_dtype="float32", cuts=None):
+    """qkv (N, 3C) stacked rows; ks, vs, runs, run0: each sequence's history in runs of random stores (stored
+    as kv_dtype): positions [0, cuts[b][0]), [cuts[b][0], cuts[b][1]), ... each at a random row of a store of
+    its own (a shared history), the rest in the sequence's own cache; row0, pos0."""
     n_layer, H, D = model
-    ks = typed.List([_stored(randn(rng, n_layer, H, max_len, D), kv_dtype) for max_len, _, _ in seqs])
-    vs = typed.List([_stored(randn(rng, n_layer, H, max_len, D), kv_dtype) for max_len, _, _ in seqs])
+    ks, vs, runs, run0 = typed.List(), typed.List(), [], [0]
+
+    def store(rows):
+        ks.append(_stored(randn(rng, n_layer, H, rows, D), kv_dtype))
+        vs.append(_stored(randn(rng, n_layer, H, rows, D), kv_dtype))
+        return len(ks) - 1
+
+    for b, (max_len, start, _) in enumerate(seqs):
+        first = 0
+        for end in (cuts[b] if cuts else []):
+            row = int(rng.integers(0, 3))
+            runs.append((store(row + end - first + int(rng.integers(0, 3))), first, end, row))
+            first = end
+        runs.append((store(max_len), first, max_len, first))
+        run0.append(len(runs))
     row0 = np.cumsum([0] + [T for _, _, T in seqs]).astype(np.int64)
     pos0 = np.array([start for _, start, _ in seqs], np.int64)
-    return randn(rng, row0[-1], 3 * H * D), ks, vs, row0, pos0
+    return (randn(rng, row0[-1], 3 * H * D), ks, vs, np.array(runs, np.int64), np.array(run0, np.int64),
+            row0, pos0)
+
+
+def _history(stores, runs, run0, b, n):
+    """Sequence b's positions 0..n-1, gathered from its runs: (n_layer, H, n, D) as stored."""
+    parts = []
+    for s, first, end, row in runs[run0[b]:run0[b + 1]]:
+        end = min(end, n)
+        if first < end:
+            parts.append(stores[s][:, :, row:row + end - first])
+    return np.concatenate(parts, axis=2)
+
+
+def _cuts(seqs):
+    """Each sequence's history cut into runs below its start (none to three cuts)."""
+    return st.tuples(*[st.lists(st.integers(1, max(start, 1)), max_size=3, unique=True)
+                       .map(lambda c, start=start: sorted(x for x in c if x <= start)) for _, start, _ in seqs])
 
 
 @given(batch=batches, kv_dtype=kv_dtypes, seed=st.integers(0, 2**32 - 1), data=st.data())
 def test_write_kv(batch, kv_dtype, seed, data):
-    """Each sequence's rows land in its own cache at its own positions, one layer, nothing else; a
-    compact cache holds them rounded to nearest even (as NumPy's float16 and compact's bfloat16)."""
+    """Each sequence's rows land in its own cache at its own positions, one layer, nothing else (no other
+    run's store); a compact cache holds them rounded to nearest even (as NumPy's float16 and compact's
+    bfloat16)."""
     model, seqs = batch
     (n_layer, H, D), C = model, model[1] * model[2]
     layer = data.draw(st.integers(0, n_layer - 1))
-    qkv, ks, vs, row0, pos0 = _batch_case(np.random.default_rng(seed), model, seqs, kv_dtype)
+    qkv, ks, vs, runs, run0, row0, pos0 = _batch_case(np.random.default_rng(seed), model, seqs, kv_dtype,
+                                                      data.draw(_cuts(seqs)))
     k_ref, v_ref = [k.copy() for k in ks], [v.copy() for v in vs]
     for b, (_, start, T) in enumerate(seqs):
-        rows = qkv[row0[b]:row0[b + 1]]
+        rows, own = qkv[row0[b]:row0[b + 1]], runs[run0[b + 1] - 1, 0]
         # (T, C) -> (H, T, D)
-        k_ref[b][layer, :, start:start + T] = _stored(rows[:, C:2 * C].reshape(T, H, D).transpose(1, 0, 2), kv_dtype)
-        v_ref[b][layer, :, start:start + T] = _stored(rows[:, 2 * C:].reshape(T, H, D).transpose(1, 0, 2), kv_dtype)
+        k_ref[own][layer, :, start:start + T] = _stored(rows[:, C:2 * C].reshape(T, H, D).transpose(1, 0, 2), kv_dtype)
+        v_ref[own][layer, :, start:start + T] = _stored(rows[:, 2 * C:].reshape(T, H, D).transpose(1, 0, 2), kv_dtype)
     written = np.full((len(seqs), n_layer), -1, np.int64)
-    kernels._write_kv(qkv, ks, vs, row0, pos0, layer, written, kv_dtype == "float16")
-    for b in range(len(seqs)):
-        np.testing.assert_array_equal(ks[b], k_ref[b])
-        np.testing.assert_array_equal(vs[b], v_ref[b])
+    kernels._write_kv(qkv, ks, vs, runs, run0, row0, pos0, layer, written, kv_dtype == "float16")
+    for s in range(len(ks)):
+        np.testing.assert_array_equal(ks[s], k_ref[s])
+        np.testing.assert_array_equal(vs[s], v_ref[s])
     assert (written[:, layer] == pos0 + np.diff(row0)).all() and (np.delete(written, layer, axis=1) == -1).all()
+
+
+def _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, n_chunks, kv_dtype, max_len):
+    out = np.empty((row0[-1], qkv.shape[1] // 3), np.float32)
+    scratch = np.empty((n_chunks, kernels.attend_width(ks[0].shape[3], max_len)), np.float32)
+    tiles, bounds = kernels._attention_plan(row0, pos0, ks[0].shape[1], n_chunks)
+    with threadpool_limits(1, user_api="blas"):
+        kernels._attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scratch,
+                        kv_dtype == "float16")
+    return out
 
 
 @given(batch=batches, n_chunks=st.integers(1, 3), kv_dtype=kv_dtypes, seed=st.integers(0, 2**32 - 1),
        data=st.data())
 def test_attend(batch, n_chunks, kv_dtype, seed, data):
-    """Sequence b's T queries at positions start..start+T-1 over its own cache rows 0..start+T-1 (a
-    compact cache's values widened exactly: float16 bits read as bfloat16 would be far off)."""
+    """Sequence b's T queries at positions start..start+T-1 over its own history, positions 0..start+T-1 (a
+    compact cache's values widened exactly: float16 bits read as bfloat16 would be far off); a history in
+    runs of several stores gives the same bits as the same rows in one array."""
     model, seqs = batch
     n_layer, H, D = model
     layer = data.draw(st.integers(0, n_layer - 1))
-    qkv, ks, vs, row0, pos0 = _batch_case(np.random.default_rng(seed), model, seqs, kv_dtype)
-    out = np.empty((row0[-1], H * D), np.float32)
-    scratch = np.empty((n_chunks, kernels.attend_width(D, max(m for m, _, _ in seqs))), np.float32)
-    tiles, bounds = kernels._attention_plan(row0, pos0, H, n_chunks)
-    with threadpool_limits(1, user_api="blas"):
-        kernels._attend(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch, kv_dtype == "float16")
+    qkv, ks, vs, runs, run0, row0, pos0 = _batch_case(np.random.default_rng(seed), model, seqs, kv_dtype,
+                                                      data.draw(_cuts(seqs)))
+    max_len = max(m for m, _, _ in seqs)
+    out = _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, n_chunks, kv_dtype, max_len)
 
+    whole = [(_history(ks, runs, run0, b, m), _history(vs, runs, run0, b, m)) for b, (m, _, _) in enumerate(seqs)]
+    alone = _attend(qkv, typed.List([k for k, _ in whole]), typed.List([v for _, v in whole]),
+                    np.array([(b, 0, m, 0) for b, (m, _, _) in enumerate(seqs)], np.int64),
+                    np.arange(len(seqs) + 1, dtype=np.int64), layer, row0, pos0, n_chunks, kv_dtype, max_len)
+    np.testing.assert_array_equal(out, alone)
     for b, (_, start, T) in enumerate(seqs):
         rows = slice(row0[b], row0[b + 1])
         for h in range(H):
             q = qkv[rows, h * D:(h + 1) * D].astype(np.float64)         # (T, D)
-            kk = _widened(ks[b], kv_dtype)[layer, h, :start + T].astype(np.float64)  # (start+T, D)
-            vv = _widened(vs[b], kv_dtype)[layer, h, :start + T].astype(np.float64)
+            kk = _widened(whole[b][0], kv_dtype)[layer, h, :start + T].astype(np.float64)  # (start+T, D)
+            vv = _widened(whole[b][1], kv_dtype)[layer, h, :start + T].astype(np.float64)
             scores = q @ kk.T / np.sqrt(D)                               # (T, start+T)
             visible = np.arange(start + T)[None, :] <= (start + np.arange(T))[:, None]
             ref = oracle.softmax(np.where(visible, scores, -np.inf)) @ vv

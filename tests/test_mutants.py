@@ -15,7 +15,6 @@ import helpers
 import test_score
 from conftest import TINY
 from gpt2numba import compact, forward, intkernels, inttiles, kernels
-from numba import typed
 
 CAUGHT = (AssertionError, g.GPT2NumbaError)
 PROMPTS = [np.random.default_rng(7).integers(0, TINY.vocab_size, n).tolist() for n in helpers.LENGTHS]
@@ -67,13 +66,13 @@ def test_catches_positions_restarting_per_chunk(tiny, ids, monkeypatch):
 
 
 def test_catches_mask_leaking_the_next_position(tiny, ids, monkeypatch):
-    def leaky(qkv, ks, vs, layer, row0, pos0, tiles, bounds, out, scratch, half):
+    def leaky(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scratch, half):
         # one sequence: query j sits at pos0 + j but is handed positions up to pos0 + j + 1
         T = qkv.shape[0]
         for rows, start in ((slice(0, T - 1), pos0 + 1), (slice(T - 1, T), pos0 + T - 1)):  # no row past the last
             sub_row0 = np.array([0, len(range(T)[rows])])
             plan = kernels._attention_plan(sub_row0, start, TINY.n_head, scratch.shape[0])
-            kernels._attend(qkv[rows], ks, vs, layer, sub_row0, start, *plan, out[rows], scratch, half)
+            kernels._attend(qkv[rows], ks, vs, runs, run0, layer, sub_row0, start, *plan, out[rows], scratch, half)
     monkeypatch.setattr(forward, "_attend", leaky)
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")
@@ -89,8 +88,8 @@ def test_catches_transposed_conv1d_weight(tiny, ids, monkeypatch):
 
 def test_catches_a_layer_skipping_its_cache_write(tiny, ids, monkeypatch):
     real = forward._write_kv
-    monkeypatch.setattr(forward, "_write_kv", lambda qkv, ks, vs, row0, pos0, layer, written, half:
-                        None if layer == 1 else real(qkv, ks, vs, row0, pos0, layer, written, half))
+    monkeypatch.setattr(forward, "_write_kv", lambda qkv, ks, vs, runs, run0, row0, pos0, layer, written, half:
+                        None if layer == 1 else real(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half))
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")
 
@@ -98,8 +97,8 @@ def test_catches_a_layer_skipping_its_cache_write(tiny, ids, monkeypatch):
 def test_catches_a_write_past_the_prompt(tiny, ids, monkeypatch):
     real = forward._write_kv
 
-    def one_row_too_many(qkv, ks, vs, row0, pos0, layer, written, half):  # one sequence
-        real(np.vstack([qkv, qkv[-1:]]), ks, vs, row0 + [0, 1], pos0, layer, written, half)
+    def one_row_too_many(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half):  # one sequence
+        real(np.vstack([qkv, qkv[-1:]]), ks, vs, runs, run0, row0 + [0, 1], pos0, layer, written, half)
         written[:, layer] -= 1
     monkeypatch.setattr(forward, "_write_kv", one_row_too_many)
     with pytest.raises(CAUGHT):
@@ -113,12 +112,12 @@ def test_catches_a_sequence_using_another_sequences_cache(tiny, plans, monkeypat
     """Attention that reads, or a cache write that lands in, sequence b + 1's cache instead of b's."""
     real = getattr(forward, kernel)
 
-    def neighbours(qkv, ks, vs, *rest):
-        def shift(caches):  # (one sequence's cache comes as its array: kernels._cache_of)
-            if isinstance(caches, np.ndarray):
-                return caches
-            return typed.List([caches[(b + 1) % len(caches)] for b in range(len(caches))])
-        real(qkv, shift(ks), shift(vs), *rest)
+    def neighbours(qkv, ks, vs, runs, run0, *rest):
+        # each sequence's runs become the next one's (one sequence's cache comes as its array: kernels._cache_of)
+        if not isinstance(ks, np.ndarray):
+            runs = runs.copy()
+            runs[:, 0] = (runs[:, 0] + 1) % len(ks)
+        real(qkv, ks, vs, runs, run0, *rest)
     monkeypatch.setattr(forward, kernel, neighbours)
     helpers.check_prefill(np.arange(9), tiny, "mutant")  # one sequence uses its own cache anyway
     with pytest.raises(CAUGHT):
@@ -259,9 +258,9 @@ def test_catches_a_float16_cache_that_rounds_to_bfloat16(tiny, ids, monkeypatch)
     monkeypatch.setattr(test_kv_dtype, "record_diff", lambda *a: None)
     real = forward._write_kv
 
-    def coarse(qkv, ks, vs, row0, pos0, layer, written, half):
+    def coarse(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half):
         coarse_qkv = compact.from_bfloat16(compact.to_bfloat16(qkv)).reshape(qkv.shape)
-        real(coarse_qkv, ks, vs, row0, pos0, layer, written, half)
+        real(coarse_qkv, ks, vs, runs, run0, row0, pos0, layer, written, half)
     monkeypatch.setattr(forward, "_write_kv", coarse)
     mc = g.ModelCache(TINY, dtype="float16")
     with pytest.raises(CAUGHT):
