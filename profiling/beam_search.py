@@ -9,7 +9,7 @@ beam_search_batch of the --prompts prompts with --beams beams and --tokens new t
 with stop_at_eos=False. Before each timed run the script waits for a quiet machine (bench's wait_for_idle) and
 reports the other processes' CPU share during the runs. Printed: each one's median seconds, their ratio, and
 for beam search the time inside ModelCache.copy_prefix (its calls counted and timed by wrapping it), the
-rows copied, the bytes of the caches it allocates (prompts x beams caches of prompt + tokens positions),
+rows it gave a beam (read in place, not copied), the bytes of the caches it allocates (prompts x beams caches of prompt + tokens positions),
 and the process's peak resident memory after the runs (ru_maxrss, which includes the weights).
 """
 
@@ -29,7 +29,8 @@ from gpt2numba.bench.core import Load, summary, wait_for_idle
 
 
 class CopyClock:
-    """ModelCache.copy_prefix wrapped: its calls, seconds and rows copied, while installed."""
+    """ModelCache.copy_prefix wrapped: its calls, seconds and the rows it gave (read in place since the cache
+    shares history; copied before), while installed."""
 
     def __init__(self):
         self.calls, self.seconds, self.rows = 0, 0.0, 0
@@ -43,7 +44,7 @@ class CopyClock:
             clock.original(mc, src, length, start=start)
             clock.seconds += time.perf_counter() - t
             clock.calls += 1
-            clock.rows += mc.length - start
+            clock.rows += mc.length
 
         g.ModelCache.copy_prefix = copy_prefix
         return self
@@ -106,8 +107,8 @@ def main(argv=None) -> int:
     c = report["copy"]
     print(f"{f'beam search, {args.beams} beams':<24} {beam_s:8.2f} s")
     print(f"{f'greedy, {len(rows)} rows':<24} {greedy_s:8.2f} s    beam / greedy {beam_s / greedy_s:.2f}x")
-    print(f"{'copying cache rows':<24} {c['seconds']:8.2f} s    {100 * c['share']:.1f}% of the search; "
-          f"{c['calls']:.0f} copies, {c['rows']:.0f} rows a search")
+    print(f"{'copy_prefix (shares rows)':<24} {c['seconds']:8.2f} s    {100 * c['share']:.1f}% of the search; "
+          f"{c['calls']:.0f} calls, {c['rows']:.0f} rows given a search")
     print(f"{'the search caches':<24} {cache_bytes / 2**20:8.0f} MiB  (the process's peak resident set "
           f"{report['peak_rss_bytes'] / 2**20:.0f} MiB, weights included)")
     if args.json:

@@ -370,8 +370,8 @@ def test_kv_dtype_script(tmp_path):
 
 
 def test_beam_search_script(tmp_path):
-    """profiling/beam_search.py on a tiny model: both workloads timed, the copies counted (4 beams diverge, so
-    some rows are copied), the caches' bytes those of prompts x beams caches."""
+    """profiling/beam_search.py on a tiny model: both workloads timed, copy_prefix's calls counted (4 beams
+    diverge, so some beams take another's rows), the caches' bytes those of prompts x beams caches."""
     write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
     out = tmp_path / "beam.json"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "beam_search.py"), "--model", str(tmp_path / "ckpt"),
