@@ -365,6 +365,8 @@ def _check(args) -> int:
         return 2
     print("(the first prefill and decode include Numba's compilation, or loading it from its cache;\n"
           " the engine is timed first, the float64 oracle checks every logit afterwards)")
+    from . import pool
+    print(f"parallel regions: {pool.describe()}")  # the threads, their pinning and what failed of it
     rng = np.random.default_rng(args.seed)
     prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, args.prompt_len)] for _ in range(args.prompts)]
     max_len = args.prompt_len + args.decode

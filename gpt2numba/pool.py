@@ -15,6 +15,9 @@ run each schedule on a pool of threads of ours, the caller among them:
   Threads claim entries with a compare-and-swap on NEXT, whose high half is the GEN the
   entry belongs to, so a thread that read a job late can never run an entry of the next.
 - Waiting spins (``pause``, never a yield), then sleeps on a futex.
+- The pool has as many threads as the process may keep busy (size): the CPUs of its
+  affinity, fewer under a cgroup CPU quota; $GPT2NUMBA_THREADS, or an explicit
+  $NUMBA_NUM_THREADS, wins. describe() says which, and any pinning the OS refused.
 - When the threads cover every CPU the process may use, each is pinned to its own CPU (the
   caller only during a forward pass, and only while no other Python thread runs one:
   ``pinned()``). Then a neighbour shares one CPU with one thread. If it preempts that
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import math
 import os
 import platform
 import sys
@@ -50,10 +54,11 @@ from llvmlite import binding as ll, ir
 from numba import cfunc, njit, prange, types
 from numba.extending import intrinsic
 
+from .errors import ConfigError
+
 SPIN = 4000  # pauses (25-40 ns each) a waiting thread spins before it sleeps
 CHECK = 256  # pauses between the caller's looks at a thread that holds an entry
 SPACE = 256  # per thread: room for one entry's argument pointers and counts
-MASK_WORDS = 16  # CPU masks of up to 1024 CPUs
 
 # the state: int64 words; those written by different threads a cache line apart
 GEN, BUSY, SLEEPERS, WAITING, NEXT, DONE = 0, 8, 16, 24, 32, 40
@@ -61,13 +66,29 @@ FN, ARGS, DIMS, STEPS, DATA, NARR, NDIM, TOTAL, NTHREADS, NWORK, PIN, LAZY, STAR
 # the self-check (_self_check): PROBE 1 records a region's arguments in SEEN, 2 also leaves its entries to the
 # pool's threads; PROBE_TS: address of the timespec the caller then waits at most
 PROBE, PROBE_TS, SEEN = 64, 65, 66  # SEEN..SEEN+4: total, array_count, inner_ndim, num_threads, regions
-MAX_THREADS = 64
+MASK_WORDS, PIN_FAILS = 72, 73  # 64-bit words of a CPU mask; failed pinnings in the threads
+MAX_THREADS = 1024  # (the arrays below are zeros the OS maps only once written: a few pages in use)
 PER_THREAD = 8 * MAX_THREADS  # words of each per-thread array: thread k's (0 is the caller) at 8 k
 TIDS, RUNNING, MOVED, SEEN_CPU = (128 + i * PER_THREAD for i in range(4))
 WORDS = 128 + 4 * PER_THREAD
 _state = np.zeros(WORDS, np.int64)
 _space = np.zeros((MAX_THREADS, 2, SPACE), np.int64)  # per thread: argument pointers, counts
-_masks = np.zeros((MAX_THREADS, MASK_WORDS), np.uint64)  # per thread: its CPU
+
+
+
+def _mask_words(cpus) -> int:
+    """64-bit words of a CPU mask that holds every CPU id of ``cpus`` and of the machine's possible ones."""
+    top = max(cpus, default=0)
+    try:
+        with open("/sys/devices/system/cpu/possible") as f:  # e.g. "0-127"
+            top = max(top, int(f.read().strip().replace(",", "-").split("-")[-1]))
+    except (OSError, ValueError):
+        top = max(top, (os.cpu_count() or 1) - 1)
+    return max(16, top // 64 + 1)
+
+
+_masks = np.zeros((MAX_THREADS, _mask_words(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                                            else ())), np.uint64)  # per thread: its CPU
 ll.add_symbol("gpt2numba_pool_state", _state.ctypes.data)
 ll.add_symbol("gpt2numba_pool_space", _space.ctypes.data)
 ll.add_symbol("gpt2numba_pool_masks", _masks.ctypes.data)
@@ -217,8 +238,10 @@ def _sleep_while(word, value, count, timeout=0):
 
 @njit(nogil=True, cache=True)
 def _pin(tid, k):
-    """Pin thread ``tid`` (0: the calling one) to thread k's CPU."""
-    _syscall(SYS_SCHED_SETAFFINITY, tid, 8 * MASK_WORDS, _base(2) + 8 * MASK_WORDS * k, 0)
+    """Pin thread ``tid`` (0: the calling one) to thread k's CPU; a failure is counted in PIN_FAILS."""
+    words = _load(_at(MASK_WORDS))
+    if _syscall(SYS_SCHED_SETAFFINITY, tid, 8 * words, _base(2) + 8 * words * k, 0) < 0:
+        _add(_at(PIN_FAILS), 1)
 
 
 @njit(nogil=True, cache=True)
@@ -301,20 +324,22 @@ def _rescue(n_threads):
                     here = _caller_mask()
                 if here >= 0:
                     _store(_at(MOVED + 8 * k), 1)
-                    _syscall(SYS_SCHED_SETAFFINITY, tid, 8 * MASK_WORDS, here, 0)
+                    if _syscall(SYS_SCHED_SETAFFINITY, tid, 8 * _load(_at(MASK_WORDS)), here, 0) < 0:
+                        _add(_at(PIN_FAILS), 1)
             _store(_at(SEEN_CPU + 8 * k), ns)
 
 
 @njit(nogil=True, cache=True)
 def _caller_mask():
-    """Address of a mask of the CPU the caller runs on (the masks' last row), or -1 past MASK_WORDS' CPUs."""
+    """Address of a mask of the CPU the caller runs on (the masks' last row), or -1 past the masks' CPUs."""
     cpu = np.zeros(2, np.uint32)
     _syscall(SYS_GETCPU, cpu.ctypes.data, 0, 0, 0)
     c = np.int64(cpu[0])
-    if c >= 64 * MASK_WORDS:
+    words = _load(_at(MASK_WORDS))
+    if c >= 64 * words:
         return -1
-    here = _base(2) + 8 * MASK_WORDS * (MAX_THREADS - 1)
-    for j in range(MASK_WORDS):
+    here = _base(2) + 8 * words * (MAX_THREADS - 1)
+    for j in range(words):
         _store(here + 8 * j, 0)
     _store(here + 8 * (c // 64), np.int64(1) << (c % 64))
     return here
@@ -494,12 +519,99 @@ def _self_check() -> str | None:
     return None
 
 
+# --- how many threads, on which CPUs ---------------------------------------------------------------
+
+CGROUP_ROOT = "/sys/fs/cgroup"  # where the cgroup file systems are mounted (tests point it at a fake tree)
+PROC_CGROUP = "/proc/self/cgroup"  # this process's cgroups
+
+
+def cpu_quota(root: str | None = None, proc_cgroup: str | None = None) -> tuple[float | None, str]:
+    """The CPUs' worth of time this process's cgroups may use, and where that was read; None if no quota.
+
+    cgroup v2: ``cpu.max`` ("quota period" or "max period"); v1: ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us`` (-1: none). The process's own cgroup and each above it count (the
+    smallest quota wins); a path not found under ``root`` (a container that sees only its own
+    cgroup) is read at ``root`` itself. By default, CGROUP_ROOT and PROC_CGROUP.
+    """
+    root, proc_cgroup = root or CGROUP_ROOT, proc_cgroup or PROC_CGROUP
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        lines = []
+    places = []  # (directory of the cgroup file system, the process's cgroup path in it, v2)
+    for _, controllers, path in lines:
+        if controllers == "":
+            places.append((root, path, True))
+            places.append((os.path.join(root, "unified"), path, True))  # (v2 beside v1: systemd's hybrid layout)
+        elif "cpu" in controllers.split(","):
+            places.append((os.path.join(root, controllers), path, False))
+            places.append((os.path.join(root, "cpu"), path, False))
+    best, where = None, ""
+    for base, path, v2 in places:
+        parts = [p for p in path.split("/") if p]
+        dirs = [os.path.join(base, *parts[:i]) for i in range(len(parts), -1, -1)]
+        for d in dirs:
+            quota = _read_quota(d, v2)
+            if quota is not None and (best is None or quota < best):
+                best, where = quota, d
+    return best, where
+
+
+def _read_quota(directory: str, v2: bool) -> float | None:
+    try:
+        if v2:
+            with open(os.path.join(directory, "cpu.max")) as f:
+                quota, period = f.read().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+        return None if quota < 0 else quota / period
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def size(cpus, quota: float | None, environ=os.environ) -> tuple[int, str]:
+    """The pool's threads (the caller among them) for a process that may use ``cpus`` and a cgroup ``quota``
+    (in CPUs), and why: $GPT2NUMBA_THREADS, else an explicit $NUMBA_NUM_THREADS, else the CPUs of the
+    affinity, fewer under a quota (rounded up); never more than Numba's threads nor MAX_THREADS - 1."""
+    top = numba.config.NUMBA_NUM_THREADS
+    if environ.get("GPT2NUMBA_THREADS", "").strip():
+        try:
+            n, why = int(environ["GPT2NUMBA_THREADS"]), "$GPT2NUMBA_THREADS"
+        except ValueError:
+            n = None
+        if n is None or not 1 <= n <= top:
+            raise ConfigError(f"GPT2NUMBA_THREADS must be an integer in [1, {top}] (Numba's threads), "
+                              f"got {environ['GPT2NUMBA_THREADS']!r}")
+    elif environ.get("NUMBA_NUM_THREADS", "").strip():
+        n, why = top, "$NUMBA_NUM_THREADS"
+    else:
+        n, why = min(top, max(1, len(cpus))), f"the {len(cpus)} CPUs this process may run on"
+        if quota is not None and math.ceil(quota) < n:
+            n, why = max(1, math.ceil(quota)), f"a cgroup quota of {quota:g} CPUs on {len(cpus)} CPUs"
+    if n > MAX_THREADS - 1:
+        n, why = MAX_THREADS - 1, f"{why}, cut to the pool's largest, {MAX_THREADS - 1}"
+    return n, why
+
+
+_sized: list[str] = []  # why the pool has the threads it has
+_pin_failures: list[str] = []  # pinnings refused by the OS, from Python (the threads' own: PIN_FAILS)
+
+
 def _start() -> None:
-    n = min(numba.config.NUMBA_NUM_THREADS, MAX_THREADS - 1)
     cpus = sorted(os.sched_getaffinity(0))
+    n, why = size(cpus, cpu_quota()[0])
+    _sized[:] = [why]
     pin = len(cpus) == n > 1  # pinned only when the threads cover every CPU: else processes would stack
     _cpus[:] = cpus if pin else []
     _masks[:] = 0
+    if max(cpus, default=0) >= 64 * _masks.shape[1]:  # a CPU the masks cannot hold (not the machine's at import)
+        _cpus[:], pin = [], False
+        _pin_failures.append(f"CPU {max(cpus)} is past the {64 * _masks.shape[1]} the masks hold")
+    _state[MASK_WORDS] = _masks.shape[1]
     for k, cpu in enumerate(_cpus):
         _masks[k, cpu // 64] = np.uint64(1) << np.uint64(cpu % 64)
     run = ctypes.CFUNCTYPE(None, ctypes.c_int64)(_worker.address)
@@ -510,7 +622,10 @@ def _start() -> None:
         def body(k=k, ready=ready):
             _state[TIDS + 8 * k] = threading.get_native_id()
             if pin:
-                os.sched_setaffinity(0, {cpus[k]})
+                try:
+                    os.sched_setaffinity(0, {cpus[k]})
+                except OSError as e:
+                    _pin_failures.append(f"thread {k} to CPU {cpus[k]}: {e.strerror or e}")
             ready.set()
             run(k)  # ctypes lets the GIL go for the thread's whole life
 
@@ -549,6 +664,7 @@ def _after_fork() -> None:
     _state[:] = 0
     _state[START] = start
     _state[LAZY] = 1
+    _pin_failures.clear()
 
 
 @ctypes.CFUNCTYPE(None)
@@ -568,7 +684,14 @@ def describe() -> str:
         off = f" (gpt2numba's pool is off: {_off[0]})" if _off else ""
         return f"Numba's {numba.threading_layer()} threading layer{off}"
     n = int(_state[NWORK]) + 1
-    return f"gpt2numba's pool of {n} thread{'s' * (n > 1)}" + (", pinned one to a CPU" if _cpus else "")
+    out = f"gpt2numba's pool of {n} thread{'s' * (n > 1)}"
+    if _sized:
+        out += f" ({_sized[0]})"
+    out += ", pinned one to a CPU" if _cpus else ""
+    failed = _pin_failures + ([f"{_state[PIN_FAILS]} in the pool's threads"] if _state[PIN_FAILS] else [])
+    if failed:
+        out += f"; pinning failed: {'; '.join(failed)}"
+    return out
 
 
 _passes: dict[int, int] = {}  # native id of each Python thread inside a pass: how deep
@@ -595,8 +718,9 @@ class pinned:
                 try:
                     os.sched_setaffinity(0, {_cpus[0]})
                     _holder[:] = [me, before]
-                except OSError:  # the CPU is no longer ours to use: run unpinned
-                    pass
+                except OSError as e:  # the CPU is no longer ours to use: run unpinned
+                    if len(_pin_failures) < 8:
+                        _pin_failures.append(f"a caller to CPU {_cpus[0]}: {e.strerror or e}")
         return self
 
     def __exit__(self, *exc):

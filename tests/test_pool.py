@@ -32,7 +32,8 @@ pytestmark = [
 
 def test_regions_run_on_the_pool_threads():
     assert ll.address_of_symbol("numba_parallel_for") == pool._parallel_for.address
-    assert len(pool._threads) == numba.config.NUMBA_NUM_THREADS - 1
+    n, _ = pool.size(sorted(os.sched_getaffinity(0)), pool.cpu_quota()[0])
+    assert len(pool._threads) == pool._state[pool.NWORK] == n - 1
 
 
 @njit(parallel=True)
@@ -134,7 +135,7 @@ def test_a_forked_child_starts_its_own_threads():
     child.join(timeout=60)
     assert child.exitcode == 0
     np.testing.assert_array_equal(logits, here)
-    assert threads == numba.config.NUMBA_NUM_THREADS - 1
+    assert threads == len(pool._threads)
 
 
 def test_the_caller_is_pinned_for_a_pass_only():

@@ -28,9 +28,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(script: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``script`` in a fresh Python with tests/ importable; fails the test on a non-zero exit."""
+    """``script`` in a fresh Python with tests/ importable, ``env`` added (None: a variable removed); fails
+    the test on a non-zero exit."""
+    env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+                          cwd=ROOT, env={k: v for k, v in env.items() if v is not None})
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
@@ -215,4 +217,109 @@ def test_an_untested_numba_falls_back_unless_forced():
     assert state == "False False 0"
     warned, described, state, _ = _fall_back(patch, {"GPT2NUMBA_POOL": "force"})
     assert warned == [] and described.startswith("gpt2numba's pool")
-    assert state == f"True True {numba.config.NUMBA_NUM_THREADS - 1}"
+    assert state == f"True True {len(pool._threads)}"  # as many threads as this process's pool
+
+
+# --- how many threads, on which CPUs --------------------------------------------------------------------
+
+def _tree(tmp_path, proc: str, files: dict) -> tuple[str, str]:
+    """A fake cgroup mount (root) and /proc/self/cgroup (proc): files maps a path under root to its text."""
+    for name, text in files.items():
+        (tmp_path / "root" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "root" / name).write_text(text)
+    (tmp_path / "root").mkdir(exist_ok=True)
+    (tmp_path / "cgroup").write_text(proc)
+    return str(tmp_path / "root"), str(tmp_path / "cgroup")
+
+
+def test_a_cgroup_v2_quota_is_the_smallest_on_the_way_up(tmp_path):
+    root, proc = _tree(tmp_path, "0::/user.slice/app\n", {
+        "user.slice/app/cpu.max": "max 100000\n", "user.slice/cpu.max": "150000 100000\n",
+        "cpu.max": "400000 100000\n"})
+    assert pool.cpu_quota(root, proc) == (1.5, os.path.join(root, "user.slice"))
+
+
+def test_a_container_that_sees_only_its_own_cgroup_reads_the_root(tmp_path):
+    root, proc = _tree(tmp_path, "0::/docker/abc\n", {"cpu.max": "100000 100000\n"})
+    assert pool.cpu_quota(root, proc)[0] == 1.0
+    root, proc = _tree(tmp_path / "none", "0::/\n", {"cpu.max": "max 100000\n"})
+    assert pool.cpu_quota(root, proc) == (None, "")
+
+
+def test_a_cgroup_v1_quota_is_read_from_the_cpu_controller(tmp_path):
+    root, proc = _tree(tmp_path, "4:memory:/x\n3:cpu,cpuacct:/docker/abc\n", {
+        "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+        "memory/x/cpu.cfs_quota_us": "1000\n", "memory/x/cpu.cfs_period_us": "100000\n"})  # not the cpu controller
+    assert pool.cpu_quota(root, proc)[0] == 0.5
+    root, proc = _tree(tmp_path / "none", "1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"})
+    assert pool.cpu_quota(root, proc)[0] is None
+
+
+def test_the_pool_is_sized_by_cpus_and_quota_and_the_environment_wins():
+    top = numba.config.NUMBA_NUM_THREADS
+    assert pool.size([0, 1], None, {})[0] == min(2, top)
+    assert pool.size([0, 1], 1.0, {}) == (1, "a cgroup quota of 1 CPUs on 2 CPUs")
+    assert pool.size([0, 1], 0.2, {})[0] == 1
+    assert pool.size([0, 1, 2, 3], 1.5, {})[0] == min(2, top)
+    assert pool.size([0, 1], 1.0, {"GPT2NUMBA_THREADS": "2"}) == (2, "$GPT2NUMBA_THREADS")
+    assert pool.size([0, 1], 1.0, {"NUMBA_NUM_THREADS": str(top)}) == (top, "$NUMBA_NUM_THREADS")
+    for bad in ("0", str(top + 1), "two"):
+        with pytest.raises(g.ConfigError, match="GPT2NUMBA_THREADS must be an integer"):
+            pool.size([0, 1], None, {"GPT2NUMBA_THREADS": bad})
+
+
+_SIZED = """
+import sys, types
+import numpy as np
+sys.path.insert(0, "tests")
+{patch}
+import gpt2numba as g
+from gpt2numba import pool
+from conftest import TINY
+logits = g.prefill(np.arange(40) * 3 % 512, g.random_weights(TINY, seed=2), g.ModelCache(TINY))
+print(len(pool._threads) + 1, bool(pool._cpus))
+print(pool.describe())
+import hashlib; print(hashlib.sha256(logits.tobytes()).hexdigest())
+"""
+
+
+def test_a_quota_of_one_cpu_gives_a_pool_of_one_thread_unless_gpt2numba_threads_says_otherwise(tmp_path):
+    root, proc = _tree(tmp_path, "0::/\n", {"cpu.max": "100000 100000\n"})
+    patch = _EARLY_POOL + f"gpt2numba.pool.CGROUP_ROOT, gpt2numba.pool.PROC_CGROUP = {root!r}, {proc!r}"
+    env = {"NUMBA_NUM_THREADS": None, "GPT2NUMBA_THREADS": None}
+    threads, described, digest = _run(_SIZED.format(patch=patch), env).stdout.splitlines()
+    assert threads == "1 False" and "a cgroup quota of 1 CPUs" in described
+    assert digest == _digest_here()
+    threads, described, _ = _run(_SIZED.format(patch=patch), {**env, "GPT2NUMBA_THREADS": "2"}).stdout.splitlines()
+    assert threads.split()[0] == "2" and "$GPT2NUMBA_THREADS" in described
+
+
+def test_a_cpu_id_past_1024_and_a_refused_pinning_are_told_not_fatal():
+    """A process that may run on CPUs 0 and 1500 (simulated: the affinity the pool reads): the masks
+    hold CPU 1500, pinning a thread there fails (no such CPU here), describe() says so, same logits."""
+    patch = """
+import os
+real = os.sched_getaffinity
+os.sched_getaffinity = lambda pid: {0, 1500} if pid == 0 else real(pid)
+"""
+    env = {"NUMBA_NUM_THREADS": "2"}
+    threads, described, digest = _run(_SIZED.format(patch=patch), env).stdout.splitlines()
+    assert threads == "2 True"
+    assert "pinning failed: thread 1 to CPU 1500: Invalid argument" in described, described
+    assert digest == _digest_here()
+
+
+def test_gpt2numba_check_tells_where_regions_run_and_a_refused_pinning(tmp_path):
+    from checkpoints import write_dir
+
+    write_dir(g.random_weights(TINY, seed=3), tmp_path)
+    script = f"""
+import os, sys
+real = os.sched_getaffinity
+os.sched_getaffinity = lambda pid: {{0, 1500}} if pid == 0 else real(pid)
+from gpt2numba.cli import main
+sys.exit(main(["check", "--model", {str(tmp_path)!r}, "--prompts", "1", "--prompt-len", "5", "--decode", "1"]))
+"""
+    out = _run(script, {"NUMBA_NUM_THREADS": "2"}).stdout
+    assert "parallel regions: gpt2numba's pool of 2 threads" in out, out
+    assert "pinning failed: thread 1 to CPU 1500" in out, out
