@@ -10,8 +10,8 @@ generate_batch (a fixed list of prompts) and by the server (requests that come
 and go); the caller checks prompts and settings first.
 
 Sequences that start from one prompt (n samples of it) share a SharedPrompt: the
-first of them to run prefills the prompt, the others copy its cache's rows
-(ModelCache.copy_prefix) and sample their first token from the same logits.
+first of them to run prefills the prompt, the others read its cache's rows in place
+(ModelCache.copy_prefix shares them) and sample their first token from the same logits.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class SharedPrompt:
     """One prompt prefilled once for ``uses`` sequences (each Batch.add with it counts one).
 
     Until it has run, ``leader`` is the sequence that prefills it; sequences added meanwhile
-    wait for that step and copy the leader's rows. After it, while sequences are still to be
+    wait for that step and take the leader's rows (read in place). After it, while sequences are still to be
     added, ``cache`` keeps the prompt's rows and ``logits`` (vocab,) what follows them.
     """
 
@@ -89,6 +89,12 @@ class Batch:
     def full(self) -> bool:
         return len(self.sequences) >= self.size
 
+    def positions(self) -> tuple[int, int]:
+        """(Positions the caches in flight hold in arrays of their own, positions they read in place: a
+        prefix cache's blocks, a shared prompt's rows.) Each position costs ModelCache.position_bytes."""
+        caches = [s.cache for s in self.sequences + self.paused if s.cache is not None]
+        return sum(mc.length - mc.shared for mc in caches), sum(mc.shared for mc in caches)
+
     def add(self, ids: list[int], *, max_new_tokens: int, sampler, rng: np.random.Generator,
             stop_at_eos: bool = True, shared: SharedPrompt | None = None) -> Sequence:
         """A new sequence, prefilled in the next step; ids (checked) plus max_new_tokens >= 1 fit n_positions.
@@ -102,7 +108,7 @@ class Batch:
             assert shared.uses >= 1
             shared.uses -= 1
             seq.shared = shared
-            if shared.cache is not None:  # prefilled in an earlier step: copy its rows now
+            if shared.cache is not None:  # prefilled in an earlier step: take its rows now (shared, not copied)
                 cache.copy_prefix(shared.cache)
                 seq.feed, seq.pending = [], shared.logits
                 if shared.uses == 0:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import gpt2numba as g
 from conftest import TINY
-from gpt2numba import prefixes
+from gpt2numba import batching, prefixes
 
 MAX_LEN = 40
 
@@ -168,3 +168,22 @@ def test_a_prefix_cache_never_holds_more_than_its_bound(tiny, blocks, extra, pro
         cache.store(prompt, mc)
         assert len(cache) <= blocks and cache.nbytes <= blocks * block_bytes + extra
     assert len(cache) == blocks
+
+
+def test_n_choices_of_a_prompt_read_its_rows_in_place(tiny):
+    """A batch's sequences of one prompt hold the prompt once: the first prefills it, the others read its rows
+    (Batch.positions counts them), and each goes on as it would alone."""
+    prompt = list(range(1, 12))
+    greedy = lambda logits, ids, rng, prompt_len: int(np.argmax(logits))  # noqa: E731
+    batch, shared = batching.Batch(tiny, 4), batching.SharedPrompt(3)
+    seqs = [batch.add(prompt, max_new_tokens=3, sampler=greedy, rng=np.random.default_rng(0), shared=shared)
+            for _ in range(3)]
+    batch.step()
+    assert batch.positions() == (len(prompt), 2 * len(prompt))
+    while batch.sequences:
+        batch.step()
+    alone = g.ModelCache(TINY)
+    ids = prompt + [int(np.argmax(g.prefill(prompt, tiny, alone)))]
+    for _ in range(2):
+        ids.append(int(np.argmax(g.decode_step(ids[-1], tiny, alone))))
+    assert all(s.ids == ids for s in seqs)
