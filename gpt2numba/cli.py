@@ -23,7 +23,7 @@ from .compact import DTYPES, INTEGER
 from .documents import field_of, split
 from .models import resolve_model  # re-exported: gpt2numba.cli.resolve_model
 from .report import REPORT_DOCUMENTS
-from .serve.engine import MAX_STEP_TOKENS, PREFIX_CACHE_MB  # (the engine needs no web framework)
+from .serve.config import ServeConfig, flags as serve_flags  # (no web framework)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,41 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         description="Serve the model over HTTP, speaking OpenAI's completions API (/v1/completions, "
         "/v1/models) plus /health, /tokenize, /detokenize and /v1/inspect (every token's probability and rank); "
         "GET / is a playground page. Requests share decode steps.")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=_at_least(0), default=8000, help="default 8000")
-    serve.add_argument("--max-batch", type=_at_least(1), default=16, metavar="N",
-                       help="sequences in flight at once (default 16)")
-    serve.add_argument("--max-step-tokens", type=_at_least(1), default=MAX_STEP_TOKENS, metavar="N",
-                       help="prompt tokens a step prefills beside the decode rows: a long prompt runs in chunks "
-                       f"so the streams in flight keep their pace (default {MAX_STEP_TOKENS})")
-    serve.add_argument("--prefix-cache-mb", type=_at_least(0), default=PREFIX_CACHE_MB, metavar="MB",
-                       help="memory for recent prompts' keys and values: a prompt that begins as one before "
-                       f"prefills only the rest; 0 turns it off (default {PREFIX_CACHE_MB})")
-    serve.add_argument("--max-queue", type=_at_least(1), default=64, metavar="N",
-                       help="requests waiting beyond those; more get 503 (default 64)")
-    serve.add_argument("--max-queued-choices", type=_at_least(1), default=1024, metavar="N",
-                       help="choices (prompts x n) waiting, over every request; more get 503 (default 1024)")
-    serve.add_argument("--max-choices", type=_at_least(1), default=256, metavar="N",
-                       help="choices in one request, prompts x n; more get 400 (default 256)")
-    serve.add_argument("--max-response-mb", type=_positive, default=64, metavar="MB",
-                       help="the largest response a request may ask for, estimated from its choices, tokens "
-                       "and log-probabilities; larger get 400 (default 64)")
-    serve.add_argument("--max-connections", type=_at_least(1), default=1024, metavar="N",
-                       help="open connections; one more closes the one idle longest (default 1024)")
-    serve.add_argument("--header-timeout", type=_positive, default=10, metavar="SECONDS",
-                       help="for a request's headers to arrive, else the connection is closed (default 10)")
-    serve.add_argument("--body-timeout", type=_positive, default=30, metavar="SECONDS",
-                       help="for a request's body to arrive after its headers (default 30)")
-    serve.add_argument("--keep-alive-timeout", type=_positive, default=5, metavar="SECONDS",
-                       help="an idle connection is closed after this (default 5)")
-    key = serve.add_mutually_exclusive_group()
-    key.add_argument("--api-key", metavar="KEY",
-                     help="require Authorization: Bearer KEY (default: $GPT2NUMBA_API_KEY, else none)")
-    key.add_argument("--api-key-file", type=Path, metavar="PATH",
-                     help="the same, the key read from a file (not visible in ps)")
-    serve.add_argument("--model-name", metavar="NAME", help="the id in /v1/models (default: the checkpoint's name)")
-    serve.add_argument("--shutdown-grace", type=_at_least(0), default=5, metavar="SECONDS",
-                       help="on Ctrl-C or SIGTERM, how long requests in flight may take to finish (default 5)")
+    key = serve.add_mutually_exclusive_group()  # --api-key or --api-key-file
+    for name, default, flag in serve_flags():  # each setting's default and help are ServeConfig's
+        parse = _at_least(flag.at_least) if flag.at_least is not None else _positive if flag.positive else str
+        (key if name == "api_key" else serve).add_argument(
+            "--" + name.replace("_", "-"), type=parse, default=default, metavar=flag.metavar, help=flag.help)
+        if name == "api_key":
+            key.add_argument("--api-key-file", type=Path, metavar="PATH",
+                             help="the same, the key read from a file (not visible in ps)")
 
     # bench has a parser of its own (gpt2numba.bench): everything after the word goes to it untouched
     commands.add_parser("bench", help="the benchmark against transformers (gpt2numba bench --help)")
@@ -206,13 +179,10 @@ def _serve(args) -> int:
     from .tokenizer import load_tokenizer
 
     w, path, _ = resolve_model(args.model, args.dtype)
-    name = args.model_name or (Path(args.model).name.removesuffix(".safetensors") if args.model else "gpt2")
-    run(w, load_tokenizer(path), host=args.host, port=args.port, model_name=name, max_batch=args.max_batch,
-        max_step_tokens=args.max_step_tokens, prefix_cache_mb=args.prefix_cache_mb, max_queue=args.max_queue, max_queued_choices=args.max_queued_choices, max_choices=args.max_choices,
-        max_response_mb=args.max_response_mb, max_connections=args.max_connections,
-        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-        keep_alive_timeout=args.keep_alive_timeout, api_key=_api_key(args), shutdown_grace=args.shutdown_grace,
-        kv_dtype=args.kv_dtype)
+    settings = {name: getattr(args, name) for name, *_ in serve_flags()}
+    config = ServeConfig(**settings | {"api_key": _api_key(args), "model_name": args.model_name or None,
+                                       "kv_dtype": args.kv_dtype})
+    run(w, load_tokenizer(path), config.named(args.model))
     return 0
 
 

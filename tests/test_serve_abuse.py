@@ -274,12 +274,14 @@ def test_the_api_key_from_a_file_or_the_environment(tmp_path, source):
         s.stop()
 
 
-async def job_events(job, *read, timeout: float = 300) -> list[tuple]:
-    """A job's events up to its last ("done" or "error"), after ``read`` (the first ones, already taken)."""
+async def job_events(job, *read, timeout: float = 300) -> list:
+    """A job's events up to its last (Done or Failed), after ``read`` (the first ones, already taken)."""
     import asyncio
 
+    from gpt2numba.serve import Done, Failed
+
     events = list(read)
-    while not events or events[-1][0] not in ("done", "error"):
+    while not events or not isinstance(events[-1], (Done, Failed)):
         events.append(await asyncio.wait_for(job.events.get(), timeout))
     return events
 
@@ -290,7 +292,7 @@ def test_echo_is_serialised_once_for_the_n_choices():
     choice, serialised n times on the event loop)."""
     import asyncio
 
-    from gpt2numba.serve import Engine, Job, parse_completion
+    from gpt2numba.serve import Engine, Job, Text, parse_completion
 
     w, tok = g.random_weights(CONFIG, seed=5), g.load_tokenizer()
     engine = Engine(w, tok, max_batch=2)
@@ -306,10 +308,10 @@ def test_echo_is_serialised_once_for_the_n_choices():
         out = asyncio.run(events())
     finally:
         engine.stop()
-    echoed = {}  # choice -> the piece of its first text event: the echo
+    echoed = {}  # choice -> the piece of its first Text event: the echo
     for event in out:
-        if event[0] == "text":
-            echoed.setdefault(event[1], event[3])
+        if isinstance(event, Text):
+            echoed.setdefault(event.choice, event.logprobs)
     assert sorted(echoed) == list(range(6))
     assert echoed[0] is echoed[1] is echoed[2] and echoed[3] is echoed[4] is echoed[5]
     assert isinstance(echoed[0].top_logprobs, str) and np.isfinite(json.loads(f"[{echoed[0].token_logprobs}]")[1])
@@ -335,7 +337,7 @@ def test_a_small_request_takes_a_place_from_a_large_one():
     (was: the small request waited for a place to free, 96x its time alone)."""
     import asyncio
 
-    from gpt2numba.serve import Job
+    from gpt2numba.serve import Job, Text
 
     engine, request = started_engine(2, temperature=0)
 
@@ -343,8 +345,8 @@ def test_a_small_request_takes_a_place_from_a_large_one():
         """Each choice's text, from the job's events (``read``: the first ones, already taken)."""
         by_choice = {}
         for event in await job_events(job, *read):
-            if event[0] == "text":
-                by_choice[event[1]] = by_choice.get(event[1], "") + event[2]
+            if isinstance(event, Text):
+                by_choice[event.choice] = by_choice.get(event.choice, "") + event.text
         return by_choice
 
     async def run():
@@ -375,7 +377,7 @@ def test_a_paused_choice_resumes_when_the_batch_empties(monkeypatch):
     choice (was: it slept with it, waiting for a request to come)."""
     import asyncio
 
-    from gpt2numba.serve import Job
+    from gpt2numba.serve import Done, Job
 
     armed, stepped, go = hold_after_first_step(monkeypatch)
     engine, request = started_engine(2)
@@ -395,7 +397,7 @@ def test_a_paused_choice_resumes_when_the_batch_empties(monkeypatch):
     finally:
         go.set()
         engine.stop()
-    assert ends == [("done",), ("done",)] and engine.preemptions == 1
+    assert ends == [Done(), Done()] and engine.preemptions == 1
 
 
 def test_draining_fails_requests_not_started_and_finishes_the_others():
@@ -404,7 +406,7 @@ def test_draining_fails_requests_not_started_and_finishes_the_others():
     grace ran out, then was cut)."""
     import asyncio
 
-    from gpt2numba.serve import Job
+    from gpt2numba.serve import Done, Failed, Finish, Job
 
     engine, request = started_engine(1, max_tokens=100)
 
@@ -424,8 +426,8 @@ def test_draining_fails_requests_not_started_and_finishes_the_others():
         refused, events = asyncio.run(run())
     finally:
         engine.stop()
-    assert refused[0] == "error" and refused[2] == 503 and "shutting down" in refused[1]
-    assert events[-1] == ("done",) and sum(e[3] for e in events if e[0] == "finish") == 200
+    assert isinstance(refused, Failed) and refused.status == 503 and "shutting down" in refused.message
+    assert events[-1] == Done() and sum(e.tokens for e in events if isinstance(e, Finish)) == 200
 
 
 def test_a_step_prefills_a_bounded_number_of_prompt_rows(monkeypatch):
@@ -436,7 +438,7 @@ def test_a_step_prefills_a_bounded_number_of_prompt_rows(monkeypatch):
     import asyncio
 
     from gpt2numba import batching
-    from gpt2numba.serve import Engine, Job, parse_completion
+    from gpt2numba.serve import Done, Engine, Job, parse_completion
 
     prefilled = []  # (prompt rows fed, prompt rows to feed, whether a sequence decoded) of each step
     step = batching.Batch.step
@@ -464,7 +466,7 @@ def test_a_step_prefills_a_bounded_number_of_prompt_rows(monkeypatch):
         events = asyncio.run(run())
     finally:
         engine.stop()
-    assert events[-1] == ("done",)
+    assert events[-1] == Done()
     assert sum(rows for rows, *_ in prefilled) == 6 * 30 + 100  # every prompt row once
     assert max(rows for rows, _, decoding in prefilled if decoding) == 40  # 40 a step beside decode rows
     assert max(rows for rows, *_ in prefilled) == 64  # and the idle bound when nothing decodes

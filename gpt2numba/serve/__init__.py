@@ -12,20 +12,23 @@ the next step, and its caches go with them. Beyond --max-batch sequences, choice
 queue (--max-queue requests, --max-queued-choices choices) and take free places round-robin across
 requests; past that they get 503 with Retry-After.
 
-No HTTP: engine.py (the thread, steps, stop strings), admission.py (limits, the round-robin queue),
-logprobs.py (OpenAI's log-probabilities as JSON text), metrics.py (GET /metrics's registry, prometheus-client:
-the engine tells it what happens through engine.Watcher and imports none of it). HTTP: requests.py
-(parsing), responses.py (the JSON of a response), app.py (the routes, server-sent events; imports
-Starlette), connections.py and server.py (uvicorn: read deadlines, a cap on connections, the shutdown).
-The names below are those gpt2numba.serve has always had; app.py's load on first use, so importing the
-engine needs no web framework.
+No HTTP: config.py (ServeConfig: every setting and its default, the flags' too), engine.py (the thread,
+steps, stop strings), events.py (what it hands each request: Text, Finish, Done, Failed), admission.py
+(limits, the round-robin queue), logprobs.py (OpenAI's log-probabilities as JSON text), metrics.py (GET
+/metrics's registry, prometheus-client: the engine tells it what happens through engine.Watcher and imports
+none of it). HTTP: requests.py (parsing), responses.py (the JSON of a response), app.py (the routes,
+server-sent events; imports Starlette), connections.py and server.py (uvicorn: read deadlines, a cap on
+connections, the shutdown). app.py's names load on first use, so importing the engine needs no web framework.
 """
 
+from .config import ServeConfig
 from .engine import LOGPROB_ROWS, Completion, Engine, Job, QueueFull
+from .events import Done, Failed, Finish, Text
 
 _APP = ("ApiError", "MAX_LOGPROBS", "MAX_STOPS", "Routes", "create_app", "parse_completion", "run")
 
-__all__ = ["Completion", "Engine", "Job", "QueueFull", "LOGPROB_ROWS", *_APP]
+__all__ = ["Completion", "Done", "Engine", "Failed", "Finish", "Job", "QueueFull", "LOGPROB_ROWS", "ServeConfig",
+           "Text", *_APP]
 
 
 def __getattr__(name: str):

@@ -1,7 +1,8 @@
 """What a request may cost, and the order in which waiting requests get places in the batch.
 
-Limits count what costs: the choices a request runs (prompts x best_of, which is n unless asked), the
-choices waiting in the queue, and the size of the response. A request over a per-request limit is
+The limits (ServeConfig's max_queue, max_choices, max_queued_choices and max_response_mb) count what costs:
+the choices a request runs (prompts x best_of, which is n unless asked), the choices waiting in the queue,
+and the size of the response. A request over a per-request limit is
 refused (400) whatever the load; one that would overfill the queue is turned away for now (503,
 Retry-After). Every refusal names the limit and the command-line flag that sets it.
 
@@ -14,20 +15,8 @@ batch of whole sequences). The engine calls these under its lock; no HTTP here.
 from __future__ import annotations
 
 import collections
-import dataclasses
 
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    max_queue: int = 64  # requests waiting with a choice not yet started
-    max_choices: int = 256  # choices one request runs: prompts x best_of (n unless asked)
-    max_queued_choices: int = 1024  # choices waiting, over every request
-    max_response_mb: float = 64.0  # the estimate of one response's JSON (response_bytes)
-
-    def __post_init__(self):
-        if self.max_choices > self.max_queued_choices:  # such a request could never be queued
-            raise ValueError(f"max_choices ({self.max_choices}) must be at most max_queued_choices "
-                             f"({self.max_queued_choices})")
+from .config import ServeConfig
 
 
 # Bytes of JSON per token of a response, generous: the text, and with log-probabilities the token, its
@@ -57,7 +46,7 @@ def response_bytes(prompt_lengths: list[int], n: int, max_tokens: int, logprobs:
     return per_token * tokens
 
 
-def check_choices(limits: Limits, prompts: int, n: int, field: str = "n") -> None:
+def check_choices(limits: ServeConfig, prompts: int, n: int, field: str = "n") -> None:
     """Refused(400) for more than --max-choices choices (prompts x n, n the ``field`` best_of if it is
     larger) in one request."""
     if prompts * n > limits.max_choices:
@@ -65,7 +54,7 @@ def check_choices(limits: Limits, prompts: int, n: int, field: str = "n") -> Non
                       f"the server allows {limits.max_choices} per request (--max-choices)", field)
 
 
-def check_size(limits: Limits, prompt_lengths: list[int], n: int, max_tokens: int, logprobs: int | None,
+def check_size(limits: ServeConfig, prompt_lengths: list[int], n: int, max_tokens: int, logprobs: int | None,
                echo: bool, field: str = "n") -> None:
     """Refused(400) for a request over a per-request limit, whatever the load. n: the choices run per prompt
     (best_of, named by ``field``, when larger: the response holds them all until it ranks them)."""
@@ -84,7 +73,7 @@ class Waiting:
     """Requests with choices not yet started, taken round-robin. A job counts its own choices:
     ``choices`` (all of them) and ``started``; nothing is built per choice until it starts."""
 
-    def __init__(self, limits: Limits):
+    def __init__(self, limits: ServeConfig):
         self.limits = limits
         self._jobs: collections.deque = collections.deque()
         self.choices = 0  # choices waiting, over every job

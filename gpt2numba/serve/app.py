@@ -33,8 +33,10 @@ from .. import checks
 from ..tokenizer import Tokenizer
 from ..tokenview import inspect_ids
 from ..weights import GPT2Weights
-from .admission import Limits, Refused, check_choices, check_size
-from .engine import MAX_STEP_TOKENS, PREFIX_CACHE_MB, Engine, Job
+from .admission import Refused, check_choices, check_size
+from .config import ServeConfig
+from .engine import Engine, Job
+from .events import Done, Failed
 from .metrics import CONTENT_TYPE, Metrics
 from .requests import MAX_LOGPROBS, MAX_STOPS, ApiError, checked_ids, parse_completion, parse_inspect
 from .responses import Chunks, Whole, inspection_json, json_response
@@ -52,25 +54,19 @@ PAGE_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect
                "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
-def create_app(w: GPT2Weights, tokenizer: Tokenizer, *, model_name: str = "gpt2", max_batch: int = 16,
-               max_step_tokens: int = MAX_STEP_TOKENS, prefix_cache_mb: float = PREFIX_CACHE_MB, max_queue: int = 64, api_key: str | None = None, max_body_bytes: int = 2**20,
-               max_choices: int = 256, max_queued_choices: int = 1024, max_response_mb: float = 64.0,
-               kv_dtype: str = "float32"):
+def create_app(w: GPT2Weights, tokenizer: Tokenizer, config: ServeConfig | None = None, **settings):
     """The Starlette application: the OpenAI routes over an Engine that starts and stops with it.
 
-    api_key: None for no authentication; an empty key is refused (ValueError), not taken for none.
-    kv_dtype: how every sequence's cache keeps keys and values (kvcache.KV_DTYPES; ConfigError otherwise)."""
+    config: the server's settings (its connection settings are server.run's), or ServeConfig's defaults with
+    ``settings`` (its fields, as keywords: create_app(w, tokenizer, max_batch=4)) over them. ConfigError for a
+    setting out of its range (an empty api_key, an unknown kv_dtype: ServeConfig says), TypeError for a name
+    that is no setting."""
     checks.weights(w)
-    if api_key is not None and not api_key.strip():
-        raise ValueError("the API key is empty: give a key, or none for no authentication")
-    limits = Limits(max_queue=max_queue, max_choices=max_choices, max_queued_choices=max_queued_choices,
-                    max_response_mb=max_response_mb)
+    config = ServeConfig.made(config, settings).named(None)
     metrics = Metrics()  # this server's own registry
-    engine = Engine(w, tokenizer, max_batch, limits, max_step_tokens=max_step_tokens,
-                    prefix_cache_mb=prefix_cache_mb, metrics=metrics, kv_dtype=kv_dtype)
+    engine = Engine(w, tokenizer, config, metrics=metrics)
     metrics.watch(engine)
-    routes = Routes(engine, tokenizer, metrics, model_name=model_name, api_key=api_key,
-                    max_body_bytes=max_body_bytes)
+    routes = Routes(engine, tokenizer, metrics)
     app = Starlette(routes=[
         Route("/", routes.page, methods=["GET"]),
         Mount("/static", StaticFiles(directory=VIEW), name="static"),
@@ -91,10 +87,10 @@ def create_app(w: GPT2Weights, tokenizer: Tokenizer, *, model_name: str = "gpt2"
 class Routes:
     """The HTTP routes over one Engine: each handler checks, submits and awaits; none computes."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_name: str,
-                 api_key: str | None, max_body_bytes: int):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: Metrics):
         self.engine, self.tokenizer, self.cfg, self.metrics = engine, tokenizer, engine.w.config, metrics
-        self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
+        config = engine.config
+        self.model_name, self.api_key, self.max_body_bytes = config.model_name, config.api_key, config.max_body_bytes
         self.created = int(time.time())
         self._parsing = asyncio.Semaphore(PARSE_THREADS)
 
@@ -128,9 +124,9 @@ class Routes:
         try:
             prompt, n, field = _choices(body)
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # before checking (or
-                check_choices(self.engine.limits, len(prompt), n, field)  # tokenising) each prompt
+                check_choices(self.engine.config, len(prompt), n, field)  # tokenising) each prompt
             r = parse_completion(body, self.tokenizer, cfg.n_positions, cfg.vocab_size)
-            check_size(self.engine.limits, [len(ids) for ids in r.prompts], r.best_of, r.max_tokens, r.logprobs,
+            check_size(self.engine.config, [len(ids) for ids in r.prompts], r.best_of, r.max_tokens, r.logprobs,
                        r.echo, "best_of" if r.best_of > r.n else "n")
         except Refused as e:
             raise ApiError(e.status, e.message, e.param) from None
@@ -179,8 +175,8 @@ class Routes:
         return whole.response()
 
     async def _events(self, job: Job, request=None):
-        """The job's events up to ("done",); ApiError for ("error", message, status). Cancels the job if
-        left early, and drops every reference to it on the way out."""
+        """The job's Text and Finish events, up to Done; ApiError for Failed. Cancels the job if left early, and
+        drops every reference to it on the way out."""
         gone = asyncio.ensure_future(_disconnected(request)) if request is not None else None
         get = None
         try:
@@ -191,10 +187,10 @@ class Routes:
                     if not get.done():
                         return  # the client went away: finally cancels the job
                 event = await get
-                if event[0] == "done":
+                if isinstance(event, Done):
                     return
-                if event[0] == "error":
-                    raise ApiError(event[2], event[1], kind="server_error")
+                if isinstance(event, Failed):
+                    raise ApiError(event.status, event.message, kind="server_error")
                 yield event
         finally:
             for future in (get, gone):

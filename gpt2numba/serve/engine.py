@@ -26,12 +26,14 @@ import numpy as np
 
 from ..batching import Batch, Sequence, SharedPrompt
 from ..forward import prefill
-from ..kvcache import ModelCache, check_kv_dtype
+from ..kvcache import ModelCache
 from ..prefixes import PrefixCache
 from ..sample import Sampler
 from ..tokenizer import Tokenizer
 from ..weights import GPT2Weights
-from .admission import Limits, QueueFull, Waiting
+from .admission import QueueFull, Waiting
+from .config import ServeConfig
+from .events import Done, Event, Failed, Finish, Text
 from .logprobs import LOGPROB_ROWS, Logprobs, Piece, log_softmax
 
 log = logging.getLogger("gpt2numba.serve")
@@ -39,20 +41,6 @@ log = logging.getLogger("gpt2numba.serve")
 __all__ = ["Completion", "Engine", "Job", "LOGPROB_ROWS", "QueueFull", "Watcher"]
 
 SHUTTING_DOWN = "the server is shutting down"
-
-# Prompt rows a step feeds beside its decode rows (chunked prefill): a 1,000-token prompt is prefilled over
-# several steps, and the sequences in flight take a token at each of them instead of waiting for the whole
-# prompt. Measured (profiling/serve_chunked.py, GPT-2 small, 2 threads, 8 streams), the streams' slowest gaps
-# while it runs against a plain step: with 16, 2.2x and 2.4x in two sessions (32: 2.3x and 3.3x, 64: 3.5x
-# and 4.7x, whole: 18x and 27x); its first token comes 6.7-11 s after it arrives (64: 2.8-4.7 s, whole:
-# 1.5-2.3 s). A step of many rows reads the weights once for all of them, so prompt-heavy loads go faster
-# with more: docs/serving.md has the tables.
-MAX_STEP_TOKENS = 16
-
-# Memory for the keys and values of recent prompts' blocks (prefixes.py): 256 MB holds 3,400 prompt tokens of
-# GPT-2 small, 1,300 of GPT-2 medium. 0 turns the prefix cache off.
-PREFIX_CACHE_MB = 256
-
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
@@ -111,11 +99,10 @@ class _Choice:
 class Job:
     """A request inside the server. The engine thread queues events in ``outbox``; the handler awaits them.
 
-    Events: ("text", choice, text, logprobs.Piece or None) and ("finish", choice, reason, tokens, logprob),
-    then ("done",) once every choice has finished, or ("error", message, status) when the engine gives up on
-    it. Its choices are counted, not built: choice i (prompt i // best_of) exists only from its start to its
-    end. With best_of > n, every choice runs and finishes; the response keeps the n with the highest
-    logprob of each prompt.
+    Events (events.py): Text and Finish of each choice, then Done once every choice has finished, or Failed when the
+    engine gives up on it. Its choices are counted, not built: choice i (prompt i // best_of) exists only from
+    its start to its end. With best_of > n, every choice runs and finishes; the response keeps the n with the
+    highest logprob of each prompt.
     """
 
     def __init__(self, request: Completion, loop: asyncio.AbstractEventLoop):
@@ -127,12 +114,12 @@ class Job:
         self.unfinished = self.choices
         self.tokens = 0  # tokens out, over every choice
         self.since = time.perf_counter()
-        self.outbox: list[tuple] = []  # events not yet handed to the event loop (the engine thread's)
+        self.outbox: list[Event] = []  # events not yet handed to the event loop (the engine thread's)
         self.echoed: dict[int, tuple] = {}  # prompt -> its echo (text, Piece), until its last choice starts
         self.shared: dict[int, SharedPrompt] = {}  # prompt -> its prefill shared by its choices, likewise
 
 
-def _deliver(items: list[tuple[Job, list[tuple]]]) -> None:
+def _deliver(items: list[tuple[Job, list[Event]]]) -> None:
     """On the event loop: each job's events into its queue."""
     for job, events in items:
         for event in events:
@@ -142,22 +129,18 @@ def _deliver(items: list[tuple[Job, list[tuple]]]) -> None:
 class Engine:
     """Runs in its own thread: admits waiting choices into the batch, steps it, and reports each token."""
 
-    def __init__(self, w: GPT2Weights, tokenizer: Tokenizer, max_batch: int, limits: Limits | None = None,
-                 max_step_tokens: int = MAX_STEP_TOKENS, prefix_cache_mb: float = PREFIX_CACHE_MB,
-                 metrics: Watcher | None = None, kv_dtype: str = "float32"):
-        if max_step_tokens < 1:
-            raise ValueError(f"max_step_tokens must be at least 1, got {max_step_tokens}")
-        if not prefix_cache_mb >= 0:
-            raise ValueError(f"prefix_cache_mb must be at least 0, got {prefix_cache_mb}")
-        check_kv_dtype(kv_dtype)
+    def __init__(self, w: GPT2Weights, tokenizer: Tokenizer, config: ServeConfig | None = None, *,
+                 metrics: Watcher | None = None, **settings):
+        """config: the server's settings (the engine reads max_batch, max_step_tokens, prefix_cache_mb, kv_dtype
+        and the limits), or ServeConfig's defaults with ``settings`` (its fields, as keywords) over them."""
+        self.config = config = ServeConfig.made(config, settings)
         self.w, self.tokenizer = w, tokenizer
-        self.max_step_tokens = max_step_tokens
-        self.limits = limits or Limits()
         self.metrics = metrics if metrics is not None else Watcher()
-        self.prefixes = PrefixCache(w.config, int(prefix_cache_mb * 2**20), kv_dtype) if prefix_cache_mb else None
-        self.batch = Batch(w, max_batch, self.prefixes, kv_dtype)  # every sequence's cache in kv_dtype
+        kv_dtype, prefix_bytes = config.kv_dtype, int(config.prefix_cache_mb * 2**20)
+        self.prefixes = PrefixCache(w.config, prefix_bytes, kv_dtype) if config.prefix_cache_mb else None
+        self.batch = Batch(w, config.max_batch, self.prefixes, kv_dtype)  # every sequence's cache in kv_dtype
         self.logprobs = Logprobs(w, tokenizer, kv_dtype)
-        self.waiting = Waiting(self.limits)
+        self.waiting = Waiting(config)
         self._owner: dict[Sequence, tuple[Job, _Choice]] = {}
         self._wake = threading.Condition()
         self._stopping = self._draining = False
@@ -165,9 +148,8 @@ class Engine:
         self._ready = threading.Event()
         self._emitted: list[Job] = []  # jobs with events in their outbox
         self._calls: collections.deque = collections.deque()  # (function, loop, future) to run between steps
-        # Every kernel runs on this one thread, the warm-up too: libgomp gives each thread that opens
-        # parallel regions a team of its own, and with two teams on two cores it stops spinning between
-        # regions (measured: a decode step 19.8 ms instead of 13.1).
+        # Every forward pass runs on this one thread, the warm-up's too: a parallel region that starts while
+        # another runs, on another thread, runs on its caller alone (pool.py).
         self._thread = threading.Thread(target=self._run, name="gpt2numba-engine", daemon=True)
 
     # called from the event loop
@@ -193,7 +175,7 @@ class Engine:
         with self._wake:
             if self._draining or self._stopping:
                 raise QueueFull(f"{SHUTTING_DOWN}; retry on another server")
-            if len(self._calls) >= self.limits.max_queue:
+            if len(self._calls) >= self.config.max_queue:
                 raise QueueFull(f"the server is busy: {len(self._calls)} calls are waiting already, the most it "
                                 f"queues (--max-queue); retry later")
             self._calls.append((function, loop, future))
@@ -285,7 +267,7 @@ class Engine:
         self._drop_cancelled()
         self._admit()
         try:
-            steps = self.batch.step(self.max_step_tokens)
+            steps = self.batch.step(self.config.max_step_tokens)
         except Exception as e:  # a bug, not a bad request: those were refused before queueing
             log.exception("engine step failed")
             for job in {job for job, _ in self._owner.values()}:
@@ -309,7 +291,7 @@ class Engine:
             result, error = None, e
         _settle(loop, future, result, error)
 
-    def _emit(self, job: Job, *event) -> None:
+    def _emit(self, job: Job, event: Event) -> None:
         if not job.outbox:
             self._emitted.append(job)
         job.outbox.append(event)
@@ -395,7 +377,7 @@ class Engine:
                 job.echoed[choice.prompt] = (self.tokenizer.decode(ids), self._echo_logprobs(job, choice.prompt))
             last = index % r.best_of == r.best_of - 1
             echo = job.echoed.pop(choice.prompt) if last else job.echoed[choice.prompt]
-            self._emit(job, "text", choice.index, *echo)
+            self._emit(job, Text(choice.index, *echo))
         if r.max_tokens == 0:
             self._finish(job, choice, "length")
             return
@@ -433,19 +415,19 @@ class Engine:
             reason = "stop" if eos else "length"
             keep = 0 if done else _stop_prefix(text, r.stop)
             text, choice.held = text[:len(text) - keep], text[len(text) - keep:]
-        self._emit(job, "text", choice.index, text, logprobs)
+        self._emit(job, Text(choice.index, text, logprobs))
         if done:
             self._leave(choice.sequence)
             self._finish(job, choice, reason)
 
     def _finish(self, job: Job, choice: _Choice, reason: str) -> None:
-        self._emit(job, "finish", choice.index, reason, choice.tokens, choice.logprob)
+        self._emit(job, Finish(choice.index, reason, choice.tokens, choice.logprob))
         job.unfinished -= 1
         now = time.perf_counter()
         if choice.tokens > 1:
             self.metrics.choice_done((now - choice.first) / (choice.tokens - 1))
         if job.unfinished == 0:
-            self._emit(job, "done")
+            self._emit(job, Done())
             self.metrics.request_done(now - job.since)
 
     def _fail(self, job: Job, message: str, status: int = 500) -> None:
@@ -456,7 +438,7 @@ class Engine:
             self.waiting.remove(lambda waiting: waiting is not job)
         job.echoed.clear()
         job.shared.clear()
-        self._emit(job, "error", message, status)
+        self._emit(job, Failed(message, status))
 
     def _echo_logprobs(self, job: Job, prompt: int) -> Piece | None:
         """Echo: each prompt token's log-probability given those before it; None without logprobs. With

@@ -20,17 +20,18 @@ that answers it (the X-Replica header names it).
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 
 from .. import checks
 from ..compact import DTYPES
 from ..errors import ConfigError
+from .config import CONNECTION_SETTINGS, ServeConfig
 
 # The settings `gpt2numba serve` gives uvicorn: Ray Serve's proxy owns the connections (serve.start's
 # http_options and its own timeouts), so they have no meaning for a replica.
-PROXY_SETTINGS = ("host", "port", "shutdown_grace", "keep_alive_timeout", "header_timeout", "body_timeout",
-                  "max_connections")
-_COUNTS = ("max_batch", "max_step_tokens", "max_queue", "max_choices", "max_queued_choices", "max_body_bytes")
+PROXY_SETTINGS = CONNECTION_SETTINGS
+REPLICA_SETTINGS = tuple(f.name for f in dataclasses.fields(ServeConfig) if f.name not in PROXY_SETTINGS)
+_COUNTS = tuple(f.name for f in dataclasses.fields(ServeConfig) if f.name in REPLICA_SETTINGS and f.type == "int")
 
 
 def deployment(model: str | None, *, replicas: int = 1, dtype: str = "float32", threads: int | None = None,
@@ -39,9 +40,9 @@ def deployment(model: str | None, *, replicas: int = 1, dtype: str = "float32", 
 
     model: a checkpoint path on every node, a hub name, or None (models.resolve_model), kept as ``dtype``
     (compact.DTYPES); threads: each replica's Numba threads and the CPUs it reserves (default 1);
-    server_settings: create_app's (model_name, max_batch, max_step_tokens, prefix_cache_mb, max_queue,
-    api_key, max_body_bytes, max_choices, max_queued_choices, max_response_mb, kv_dtype), as the flags of
-    ``gpt2numba serve`` set them; model_name defaults to the checkpoint's name. options: more of
+    server_settings: ServeConfig's for a replica (REPLICA_SETTINGS: max_batch, max_step_tokens, prefix_cache_mb,
+    max_queue, max_queued_choices, max_choices, max_response_mb, api_key, model_name, max_body_bytes, kv_dtype),
+    as the flags of ``gpt2numba serve`` set them; model_name defaults to the checkpoint's name. options: more of
     serve.deployment's (health_check_period_s, autoscaling_config, ...); its max_ongoing_requests, the
     requests Ray Serve hands a replica at once, defaults to max_batch + max_queue, so that the replica's own
     queue decides and answers 503 past it, as one server does. Every setting is checked here, before any
@@ -49,28 +50,22 @@ def deployment(model: str | None, *, replicas: int = 1, dtype: str = "float32", 
     """
     from ray import serve
 
-    settings = _checked(model, replicas, dtype, threads, options, server_settings)
+    config = _checked(model, replicas, dtype, threads, options, server_settings)
     threads = 1 if threads is None else threads
-    defaults = inspect.signature(_create_app()).parameters
     options = dict(options or {})
-    options.setdefault("max_ongoing_requests",
-                       sum(settings.get(key, defaults[key].default) for key in ("max_batch", "max_queue")))
+    options.setdefault("max_ongoing_requests", config.max_batch + config.max_queue)
 
     def build():  # on each replica, when it starts: the weights, the tokenizer, the app and its engine
-        return _replica_app(model, dtype, threads, settings)
+        return _replica_app(model, dtype, threads, config)
 
     server = serve.deployment(serve.ingress(build)(), name=name, num_replicas=replicas,
                               ray_actor_options={"num_cpus": threads}, **options)
     return server.bind()
 
 
-def _checked(model, replicas, dtype, threads, options, settings: dict) -> dict:
-    """The server settings with model_name filled in, once every argument has passed create_app's own checks
-    (on a model of one layer, built here and never started) and the ranges the serve command's flags hold."""
-    from ..config import GPT2Config
-    from ..tokenizer import load_tokenizer
-    from ..weights import random_weights
-
+def _checked(model, replicas, dtype, threads, options, settings: dict) -> ServeConfig:
+    """The replicas' ServeConfig, model_name filled in, once every argument has passed its checks and the ranges
+    the serve command's flags hold."""
     if options is not None and not isinstance(options, dict):
         raise ConfigError(f"options must be a dict of serve.deployment's settings, got {type(options).__name__}")
     if taken := [key for key in ("name", "num_replicas", "ray_actor_options") if key in (options or {})]:
@@ -86,37 +81,26 @@ def _checked(model, replicas, dtype, threads, options, settings: dict) -> dict:
     if given := [key for key in PROXY_SETTINGS if key in settings]:
         raise ConfigError(f"{given[0]} is the HTTP proxy's: Ray Serve sets it (serve.start(http_options=...)), "
                           "not a replica")
-    known = [key for key in inspect.signature(_create_app()).parameters if key not in ("w", "tokenizer")]
-    if unknown := sorted(set(settings) - set(known)):
-        raise ConfigError(f"unknown server setting {unknown[0]!r}; a replica takes " + ", ".join(known))
-    settings = dict(settings)
-    settings.setdefault("model_name", model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".safetensors")
-                        if model else "gpt2")
-    trial = random_weights(GPT2Config(n_layer=1, n_head=1, n_embd=8, n_positions=64), seed=0)
+    if unknown := sorted(set(settings) - set(REPLICA_SETTINGS)):
+        raise ConfigError(f"unknown server setting {unknown[0]!r}; a replica takes " + ", ".join(REPLICA_SETTINGS))
     try:
-        _create_app()(trial, load_tokenizer(), **settings)
-    except (ValueError, TypeError) as e:  # ConfigError is a ValueError: create_app's own messages
+        return ServeConfig(**settings).named(model)
+    except (ValueError, TypeError) as e:  # ConfigError is a ValueError: ServeConfig's own messages
         raise ConfigError(str(e)) from None
-    return settings
 
 
-def _create_app():
-    from .app import create_app
-
-    return create_app
-
-
-def _replica_app(model, dtype: str, threads: int, settings: dict):
+def _replica_app(model, dtype: str, threads: int, config: ServeConfig):
     """The server's app as a replica runs it, with the X-Replica header on every response."""
     from ray import serve
 
     from ..forward import set_threads
     from ..models import resolve_model
     from ..tokenizer import load_tokenizer
+    from .app import create_app
 
     set_threads(threads)
     w, path, _ = resolve_model(model, dtype)
-    app = _create_app()(w, load_tokenizer(path), **settings)
+    app = create_app(w, load_tokenizer(path), config)
     return _Named(app, serve.get_replica_context().replica_id.to_full_id_str())
 
 

@@ -13,6 +13,7 @@ import json
 from starlette.responses import Response, StreamingResponse
 
 from .engine import Completion
+from .events import Finish, Text
 from .logprobs import Piece, as_json
 
 
@@ -51,23 +52,22 @@ class Whole:
         self._done: list[bytes | None] = [None] * (len(r.prompts) * r.n)  # finished choices, as JSON
         self._ranked: dict[int, list[tuple]] = {}  # prompt -> its finished candidates, with best_of > n
 
-    def add(self, event: tuple) -> None:
-        if event[0] == "text":
-            _, i, text, piece = event
-            self._text.setdefault(i, []).append(text)
-            if piece is not None:
-                self._pieces.setdefault(i, []).append(piece)
-        else:  # ("finish", i, reason, tokens, logprob)
-            _, i, reason, tokens, logprob = event
-            self.tokens += tokens
+    def add(self, event: Text | Finish) -> None:
+        i = event.choice
+        if isinstance(event, Text):
+            self._text.setdefault(i, []).append(event.text)
+            if event.logprobs is not None:
+                self._pieces.setdefault(i, []).append(event.logprobs)
+        else:
+            self.tokens += event.tokens
             logprobs = as_json(self._pieces.pop(i, []), 0) if self.r.logprobs is not None else "null"
-            text, (n, best_of) = "".join(self._text.pop(i, [])), (self.r.n, self.r.best_of)
+            text, (n, best_of), reason = "".join(self._text.pop(i, [])), (self.r.n, self.r.best_of), event.reason
             if best_of == n:
                 self._done[i] = choice_json(i, text, logprobs, reason).encode()
                 return
             prompt = i // best_of
             ranked = self._ranked.setdefault(prompt, [])
-            ranked.append((-logprob, i, text, logprobs, reason))
+            ranked.append((-event.logprob, i, text, logprobs, reason))
             if len(ranked) == best_of:  # most likely first; a tie: the earlier choice
                 for rank, (_, _, text, logprobs, reason) in enumerate(sorted(self._ranked.pop(prompt))[:n]):
                     self._done[prompt * n + rank] = choice_json(prompt * n + rank, text, logprobs, reason).encode()
@@ -109,19 +109,18 @@ class Chunks:
         self.tokens = 0
         self._sent: dict[int, int] = {}  # choice -> characters of text sent: where its next token's offset starts
 
-    def event(self, event: tuple) -> str:
-        if event[0] == "text":
-            _, i, text, piece = event
+    def event(self, event: Text | Finish) -> str:
+        i = event.choice
+        if isinstance(event, Text):
             logprobs = "null"
             if self.r.logprobs is not None:
-                logprobs = as_json([piece] if piece is not None else [], self._sent.get(i, 0))
-            self._sent[i] = self._sent.get(i, 0) + len(text)
-            choice = choice_json(i, text, logprobs, None)
-        else:  # ("finish", i, reason, tokens, logprob): a stream has best_of = n
-            _, i, reason, tokens, _ = event
-            self.tokens += tokens
+                logprobs = as_json([event.logprobs] if event.logprobs is not None else [], self._sent.get(i, 0))
+            self._sent[i] = self._sent.get(i, 0) + len(event.text)
+            choice = choice_json(i, event.text, logprobs, None)
+        else:  # a stream has best_of = n: nothing to rank
+            self.tokens += event.tokens
             self._sent.pop(i, None)
-            choice = choice_json(i, "", "null", reason)
+            choice = choice_json(i, "", "null", event.reason)
         return f'data: {self._head}, "choices": [{choice}]}}\n\n'
 
     def usage(self) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import resource
@@ -21,6 +22,7 @@ import uvicorn
 from ..tokenizer import Tokenizer
 from ..weights import GPT2Weights
 from .app import create_app
+from .config import ServeConfig
 from .connections import Sparse, guarded_h11
 
 log = logging.getLogger("gpt2numba.serve")
@@ -29,19 +31,17 @@ WRITE_GRACE = 10  # seconds, after the shutdown grace, for the error responses t
 SPARE_FDS = 64  # file descriptors kept beyond the connections (model files, pipes, the listening socket)
 
 
-def run(w: GPT2Weights, tokenizer: Tokenizer, *, host: str = "127.0.0.1", port: int = 8000,
-        shutdown_grace: float = 5, keep_alive_timeout: float = 5, header_timeout: float = 10,
-        body_timeout: float = 30, max_connections: int = 1024, **options) -> None:
-    """Serve until Ctrl-C or SIGTERM (then shut down as the module says). options: create_app's."""
+def run(w: GPT2Weights, tokenizer: Tokenizer, config: ServeConfig | None = None, **settings) -> None:
+    """Serve until Ctrl-C or SIGTERM (then shut down as the module says). config: every setting, the
+    application's and the connections'; or ServeConfig's defaults with ``settings`` (its fields) over them."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    app = create_app(w, tokenizer, **options)
-    max_connections = file_descriptors_for(max_connections)
-    config = uvicorn.Config(app, host=host, port=port, access_log=False, log_level="info",
-                            timeout_keep_alive=keep_alive_timeout,
-                            timeout_graceful_shutdown=shutdown_grace + WRITE_GRACE,
-                            http=guarded_h11(header_timeout=header_timeout, body_timeout=body_timeout,
-                                             max_connections=max_connections))
-    Server(config, app.state.engine, shutdown_grace).run()
+    config = ServeConfig.made(config, settings)
+    app = create_app(w, tokenizer, config)
+    config = dataclasses.replace(config, max_connections=file_descriptors_for(config.max_connections))
+    served = uvicorn.Config(app, host=config.host, port=config.port, access_log=False, log_level="info",
+                            timeout_keep_alive=config.keep_alive_timeout,
+                            timeout_graceful_shutdown=config.shutdown_grace + WRITE_GRACE, http=guarded_h11(config))
+    Server(served, app.state.engine, config.shutdown_grace).run()
 
 
 def file_descriptors_for(connections: int) -> int:
