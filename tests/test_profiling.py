@@ -46,6 +46,34 @@ def test_cold_start_script(tmp_path):
     assert 0 < standard.run_script(standard._OURS_FIRST, tmp_path) < 600
 
 
+def test_bench_floor(tmp_path):
+    """gpt2numba bench --floor: the read rate, then per format its bytes a step, floor, measured step and their
+    ratio, in the table and the JSON (no timing is asserted: the ratios are only positive)."""
+    w = g.random_weights(TINY, seed=0)
+    write_dir(w, tmp_path / "ckpt")
+    out = tmp_path / "floor.json"
+    r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--floor", "--model", str(tmp_path / "ckpt"),
+                        "--floor-context", "16", "--floor-steps", "3", "--floor-repeat", "2", "--bandwidth-mib", "8",
+                        "--idle-patience", "0", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    f = json.loads(out.read_text())["floor"]
+    assert f["read_gb_s"] > 0 and (f["context"], f["steps"]) == (16, 3)
+    assert [row["dtype"] for row in f["formats"]] == ["float32", "bfloat16", "int8", "int4"]
+    kv_row = 2 * TINY.n_layer * TINY.n_embd * 4  # float32 keys and values of one position, every layer
+    for row in f["formats"]:
+        assert row["kv_bytes"] == (16 + 2) * kv_row  # positions 16, 17, 18 read 17, 18, 19 rows
+        assert row["bytes"] == row["weight_bytes"] + row["kv_bytes"]
+        assert row["floor_ms"] > 0 and row["measured_ms"] > 0 and len(row["runs_ms"]) == 2
+        assert row["ratio"] == pytest.approx(row["measured_ms"] / row["floor_ms"]) and row["ratio"] > 0
+    weight = {row["dtype"]: row["weight_bytes"] for row in f["formats"]}
+    assert weight["float32"] == w.nbytes - w.wpe.nbytes + w.wpe[0].nbytes  # every weight but wpe's other rows
+    assert weight["float32"] > weight["bfloat16"] > weight["int8"] > weight["int4"]
+    lines = [line.split() for line in r.stdout.splitlines()]
+    table = [line for line in lines if line[:1] and line[0] in ("float32", "bfloat16", "int8", "int4")]
+    assert [line[0] for line in table] == ["float32", "bfloat16", "int8", "int4"]
+    assert all(float(line[4].rstrip("x")) > 0 for line in table) and "GB/s" in r.stdout
+
+
 @pytest.mark.timeout(1200)  # (its subprocess may take up to 900 s)
 def test_bench_neighbour(tmp_path):
     """gpt2numba bench --neighbour: a workload alone and beside a busy loop at nice 0 and 10, with slowdowns."""

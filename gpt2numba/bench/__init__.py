@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from ..compact import DTYPES
-from . import ct2, llama, neighbour, scoring, standard, throughput
+from . import ct2, floor, llama, neighbour, scoring, standard, throughput
 from .core import machine, set_idle_patience, wait_for_idle
 
 __all__ = ["main", "wait_for_idle"]
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     section = (scoring if args.score else llama if args.llama else ct2 if args.ct2
-               else neighbour if args.neighbour else standard)
+               else neighbour if args.neighbour else floor if args.floor else standard)
     if args.plot and (section is not standard or args.no_throughput):
         parser.error("--plot draws the throughput section: not with --no-throughput or another section")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -108,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="llama.cpp on GGUF files of the same weights instead of the above (the [peers] extra)")
     ct2.add_arguments(p)
     neighbour.add_arguments(p)
+    floor.add_arguments(p)
     return p
 
 

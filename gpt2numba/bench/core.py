@@ -264,18 +264,7 @@ def measure_floors(stored, args):
     """Read bandwidth and GEMM rate of this machine, and what they make the floors of decode and prefill.
 
     stored: dtype -> the weights in that format."""
-    from ..kernels import _stream_sum
-
-    wait_for_idle()
-    a = np.ones(args.bandwidth_mib * 2**20 // 4, np.float32)
-    _stream_sum(a)
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        _stream_sum(a)
-        times.append(time.perf_counter() - t)
-    bandwidth = a.nbytes / min(times)  # the best pass: what the memory can do
-    del a
+    bandwidth = read_bandwidth(args.bandwidth_mib)
     gemm = gemm_rate(*GEMM_SHAPE, args.threads)
     cfg = stored["float32"].config
     # decode reads every matrix once, the output head included, but only one row of wpe
@@ -285,6 +274,22 @@ def measure_floors(stored, args):
               "decode_floor_ms": {k: 1e3 * b / bandwidth for k, b in decode_bytes.items()},
               "prefill_floor_ms": {T: 1e3 * prefill_flops(cfg, T) / gemm for T in args.lengths}}
     return floors
+
+
+def read_bandwidth(mib):
+    """Bytes/s of the best of five streaming reads of a float32 array of ``mib`` MiB (kernels._stream_sum, on
+    the threads set), after waiting for a quiet machine: what the memory can do."""
+    from ..kernels import _stream_sum
+
+    wait_for_idle()
+    a = np.ones(mib * 2**20 // 4, np.float32)
+    _stream_sum(a)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        _stream_sum(a)
+        times.append(time.perf_counter() - t)
+    return a.nbytes / min(times)
 
 
 def gemm_rate(M, K, N, threads):
