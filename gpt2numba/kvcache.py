@@ -53,8 +53,10 @@ class ModelCache:
         self._max_len = int(max_len)
         self._dtype = dtype
         shape = (config.n_layer, config.n_head, self._max_len, config.head_dim)
-        self._k = np.zeros(shape, _STORAGE[dtype])  # (n_layer, n_head, max_len, head_dim), float32 or bits
-        self._v = np.zeros(shape, _STORAGE[dtype])  # (n_layer, n_head, max_len, head_dim)
+        # (n_layer, n_head, max_len, head_dim), float32 or bits; empty, not zeroed: rows are read only once
+        # written, and zeroing tens of MB cost a new cache up to 100 ms where the allocator reused memory
+        self._k = np.empty(shape, _STORAGE[dtype])
+        self._v = np.empty(shape, _STORAGE[dtype])
         self._lengths = np.zeros(config.n_layer, np.int64)  # (n_layer,)
         self._length = 0
         # positions [0, _split) are rows of other arrays, read in place: (k, v, first, end, row of first), in
@@ -215,8 +217,8 @@ class ModelCache:
                     or rows.shape[3] != cfg.head_dim or rows.shape != k.shape:
                 raise CacheError(f"extend needs {name} of shape (n_layer={cfg.n_layer}, n_head={cfg.n_head}, n, "
                                  f"head_dim={cfg.head_dim}), the same for k and v; got {getattr(rows, 'shape', rows)!r}")
-            if rows.dtype != self.k.dtype:
-                raise CacheError(f"extend needs {name} of the cache's own dtype {self.k.dtype} (a {self.dtype} "
+            if rows.dtype != self._public(self._k).dtype:
+                raise CacheError(f"extend needs {name} of the cache's own dtype {self._public(self._k).dtype} (a {self.dtype} "
                                  f"cache), got {rows.dtype}: rows are copied, never converted")
         n = k.shape[2]
         if n > self.room:
@@ -267,7 +269,7 @@ class ModelCache:
             return
         k, v = self._rows(0, self._length)
         if self._lent:
-            self._k, self._v, self._lent = np.zeros_like(self._k), np.zeros_like(self._v), 0
+            self._k, self._v, self._lent = np.empty_like(self._k), np.empty_like(self._v), 0
         self._k[:, :, : self._length], self._v[:, :, : self._length] = k, v
         self._shared, self._split = (), 0
 

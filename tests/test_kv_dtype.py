@@ -195,10 +195,10 @@ def test_caches_of_different_dtypes_do_not_mix(tiny):
     g.prefill([1, 2, 3], tiny, half)
     g.prefill([4], tiny, full)
     for src, dst in ((half, full), (full, half), (half, g.ModelCache(TINY, dtype="bfloat16"))):
-        before = dst.length, dst.k.copy()
+        before = dst.length, dst.keys().copy(), dst.values().copy()
         with pytest.raises(g.CacheError, match=f"cannot copy a {src.dtype} cache into a {dst.dtype} one"):
             dst.copy_prefix(src)
-        assert dst.length == before[0] and np.array_equal(dst.k, before[1])
+        assert dst.length == before[0] and np.array_equal(dst.keys(), before[1]) and np.array_equal(dst.values(), before[2])
     with pytest.raises(g.BatchError, match="cache 0 is float16 but cache 1 is float32"):
         g.decode_batch([1, 2], tiny, [half, full])
     assert half.length == 3 and full.length == 1

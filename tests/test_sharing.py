@@ -24,7 +24,7 @@ def copied(twin, n, max_len):
     """A cache that holds twin's first n rows as copies of its own."""
     mc = g.ModelCache(TINY, max_len, twin.dtype)
     if n:
-        mc.extend(*(rows.copy() for rows in twin._rows(0, n)))
+        mc.extend(*(twin._public(rows).copy() for rows in twin._rows(0, n)))
     return mc
 
 
@@ -148,7 +148,7 @@ def test_a_prefix_cache_hit_reads_the_blocks_in_place(tiny):
     assert cache.load(prompt, mc) == 2 * prefixes.BLOCK and mc.shared == 2 * prefixes.BLOCK
     blocks = [(k.copy(), v.copy()) for k, v, *_ in mc.segments()]
     ref = g.ModelCache(TINY, MAX_LEN)
-    ref.extend(*first._rows(0, 2 * prefixes.BLOCK))
+    ref.extend(*(first._public(rows) for rows in first._rows(0, 2 * prefixes.BLOCK)))
     np.testing.assert_array_equal(g.prefill(prompt[2 * prefixes.BLOCK:], tiny, mc, logits="all"),
                                   g.prefill(prompt[2 * prefixes.BLOCK:], tiny, ref, logits="all"))
     for (k, v, *_), (k0, v0) in zip(mc.segments(), blocks):
