@@ -64,6 +64,7 @@ class Sequence:
     feed: list[int] = field(init=False)  # what the next pass feeds: the prompt, then the last token
     shared: SharedPrompt | None = None  # its prompt's rows come from the leader of this, if not fed
     pending: np.ndarray | None = None  # (vocab,) logits after its prompt, when it copied them ready-made
+    reserved: int = 0  # the positions its batch holds for it (Batch.need)
 
     def __post_init__(self):
         self.prompt_len = len(self.ids)
@@ -79,8 +80,13 @@ class Batch:
     (kvcache.KV_DTYPES, checked); with ``prefixes`` (of the same kv_dtype), a prompt starts from the
     longest prefix cached there, and every prompt that runs is stored there."""
 
-    def __init__(self, w: GPT2Weights, size: int, prefixes: PrefixCache | None = None, kv_dtype: str = "float32"):
+    def __init__(self, w: GPT2Weights, size: int, prefixes: PrefixCache | None = None, kv_dtype: str = "float32",
+                 max_positions: int | None = None):
         self.w, self.size, self.prefixes, self.kv_dtype = w, size, prefixes, check_kv_dtype(kv_dtype)
+        # the cache positions its sequences may own at once (None: as many as they ask), each sequence
+        # reserving what it may write when it is added (need), released when it leaves
+        self.max_positions, self.reserved = max_positions, 0
+        self.in_flight = (0, 0)  # positions() after the last step: plain ints another thread may read
         self.sequences: list[Sequence] = []
         self.paused: list[Sequence] = []  # out of the steps for now, their caches kept (pause, resume)
         self._logits = np.empty((size, w.config.vocab_size), np.float32)  # (size, vocab), reused by every step
@@ -88,6 +94,17 @@ class Batch:
     @property
     def full(self) -> bool:
         return len(self.sequences) >= self.size
+
+    def need(self, ids: list[int], max_new_tokens: int, shared: SharedPrompt | None = None) -> int:
+        """The positions a sequence added now may write into its own cache: its prompt but what it will read
+        in place (a prefix cache's blocks, or a shared prompt that another sequence runs), and its tokens."""
+        if shared is not None and (shared.cache is not None or shared.leader is not None):
+            return max_new_tokens
+        return len(ids) - (self.prefixes.cached(ids) if self.prefixes is not None else 0) + max_new_tokens
+
+    def admits(self, need: int) -> bool:
+        """Whether a sequence that needs ``need`` positions fits beside those reserved."""
+        return self.max_positions is None or self.reserved + need <= self.max_positions
 
     def positions(self) -> tuple[int, int]:
         """(Positions the caches in flight hold in arrays of their own, positions they read in place: a
@@ -102,8 +119,11 @@ class Batch:
         With ``shared`` (made for these very ids), the prompt is prefilled once for all its uses.
         """
         assert not self.full and max_new_tokens >= 1
+        need = self.need(ids, max_new_tokens, shared)
+        assert self.admits(need)
         cache = ModelCache(self.w.config, max_len=len(ids) + max_new_tokens, dtype=self.kv_dtype)
         seq = Sequence(list(ids), max_new_tokens, sampler, rng, _stop_ids(sampler) if stop_at_eos else (), cache)
+        seq.reserved, self.reserved = need, self.reserved + need
         if shared is not None:
             assert shared.uses >= 1
             shared.uses -= 1
@@ -136,6 +156,7 @@ class Batch:
 
     def remove(self, seq: Sequence) -> None:
         """Stop a sequence now (its cache goes with it). A leader whose prompt has not run hands it on."""
+        self.reserved -= seq.reserved
         if seq in self.paused:
             self.paused.remove(seq)
             seq.cache = None
@@ -145,7 +166,9 @@ class Batch:
         if shared is not None and shared.leader is seq and seq.cache.length < seq.prompt_len:
             waiting = [s for s in self.sequences if s.shared is shared and not s.feed and s.pending is None]
             shared.leader = waiting[0] if waiting else None
-            if waiting:
+            if waiting:  # it runs the prompt now: the leader's reservation goes with it
+                waiting[0].reserved += seq.reserved - seq.max_new_tokens
+                self.reserved += seq.reserved - seq.max_new_tokens
                 waiting[0].feed = list(waiting[0].ids)
                 if self.prefixes is not None:
                     del waiting[0].feed[: self.prefixes.load(waiting[0].ids, waiting[0].cache)]
@@ -198,6 +221,7 @@ class Batch:
             else:
                 seq.feed = [token]
             out.append((seq, token, done, row))
+        self.in_flight = self.positions()
         return out
 
     @staticmethod

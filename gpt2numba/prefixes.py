@@ -56,13 +56,7 @@ class PrefixCache:
         at least the last id to be fed (its logits are what the prompt is for); returns the positions filled."""
         assert cache.length == 0 and cache.config == self.config and cache.dtype == self.kv_dtype
         self.lookups += 1
-        chain, parent = [], None
-        for start in range(0, len(ids) - 1 - BLOCK + 1, BLOCK):
-            block = self._index.get((parent, tuple(ids[start : start + BLOCK])))
-            if block is None:
-                break
-            chain.append(block)
-            parent = block
+        chain = self._chain(ids)
         for block in chain:  # read in place: a block is never written once stored
             cache._extend_shared(block.k, block.v)
         self._touch(chain)
@@ -70,6 +64,21 @@ class PrefixCache:
             self.hits += 1
             self.hit_tokens += len(chain) * BLOCK
         return len(chain) * BLOCK
+
+    def cached(self, ids: list[int]) -> int:
+        """The positions ``load`` would fill for ``ids`` now (nothing counted, nothing touched)."""
+        return len(self._chain(ids)) * BLOCK
+
+    def _chain(self, ids: list[int]) -> list[_Block]:
+        """The cached blocks of ids' longest cached prefix in whole blocks, leaving at least the last id."""
+        chain, parent = [], None
+        for start in range(0, len(ids) - 1 - BLOCK + 1, BLOCK):
+            block = self._index.get((parent, tuple(ids[start : start + BLOCK])))
+            if block is None:
+                break
+            chain.append(block)
+            parent = block
+        return chain
 
     def store(self, ids: list[int], cache: ModelCache) -> None:
         """Keep the whole blocks of the prompt ``ids``, whose rows ``cache`` holds from position 0."""

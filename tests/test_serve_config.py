@@ -32,7 +32,7 @@ def test_the_serve_command_takes_every_default_from_serve_config(monkeypatch):
 
 def test_every_flag_reaches_the_server(monkeypatch):
     """Each setting given by its flag, with a value other than its default, arrives in the config."""
-    given = {"host": "0.0.0.0", "port": 1, "max_batch": 3, "max_step_tokens": 5, "prefix_cache_mb": 7,
+    given = {"host": "0.0.0.0", "port": 1, "max_batch": 3, "max_step_tokens": 5, "prefix_cache_mb": 7, "kv_cache_mb": 8,
              "max_queue": 9, "max_queued_choices": 11, "max_choices": 10, "max_response_mb": 1.5,
              "max_connections": 13, "header_timeout": 2.5, "body_timeout": 3.5, "keep_alive_timeout": 4.5,
              "api_key": "k", "model_name": "m", "shutdown_grace": 6}
@@ -51,7 +51,7 @@ def test_the_model_name_is_the_checkpoints():
 
 @pytest.mark.parametrize("settings, match", [
     ({"api_key": " "}, "API key"), ({"max_choices": 8, "max_queued_choices": 4}, "max_queued_choices"),
-    ({"max_step_tokens": 0}, "max_step_tokens"), ({"prefix_cache_mb": -1}, "prefix_cache_mb"),
+    ({"max_step_tokens": 0}, "max_step_tokens"), ({"prefix_cache_mb": -1}, "prefix_cache_mb"), ({"kv_cache_mb": -1}, "kv_cache_mb"),
     ({"kv_dtype": "half"}, "float32, float16, bfloat16")])
 def test_a_setting_out_of_range_is_refused_where_the_config_is_made(settings, match):
     with pytest.raises(g.ConfigError, match=match):

@@ -185,7 +185,8 @@ def test_the_prefix_cache_is_read_at_each_scrape():
     metrics; one with it shows each count, read anew at every scrape. Catches: engine.prefixes read without
     a default (today's engine fails the scrape), values copied once when the server starts, two counts
     swapped, a count exported as a gauge."""
-    engine = types.SimpleNamespace(queued=2, queued_choices=5, active=3, paused=1, preemptions=4)  # no .prefixes
+    engine = types.SimpleNamespace(queued=2, queued_choices=5, active=3, paused=1, preemptions=4, positions=(7, 9),
+                                   max_positions=None)  # no .prefixes
     metrics = Metrics()
     metrics.watch(engine)
     found = families(metrics.text().decode())
@@ -216,3 +217,27 @@ def test_each_server_counts_its_own_requests():
         assert second.post("/v1/completions", json={"prompt": "x"}).status_code == 401
     for client, expected in ((first, {"401": 1, "400": 1}), (second, {"401": 2})):
         assert statuses(scrape(client)) == expected
+
+
+def test_cache_positions_own_and_shared_are_read_at_each_scrape(monkeypatch):
+    """Three choices of one prompt, the engine held after its first step: the first choice wrote the prompt's
+    positions, the other two read them in place; after the answer, none. Catches: shared rows counted as
+    owned (copies), positions left at their last value."""
+    armed, held, release = hold_after_first_step(monkeypatch)
+    app = serve.create_app(g.random_weights(CONFIG, seed=5), g.load_tokenizer(), max_batch=3, prefix_cache_mb=0)
+    body = {"prompt": ids(5), "max_tokens": 3, "n": 3, "stream": True, "ignore_eos": True}
+    with TestClient(app) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        armed.set()
+        try:
+            lines = pool.submit(sse_lines, client, body)
+            assert held.wait(300), "the engine's first step"
+            found = scrape(client)
+            assert value(found, "gpt2numba_kv_cache_positions", kind="own") == 5
+            assert value(found, "gpt2numba_kv_cache_positions", kind="shared") == 10
+            assert value(found, "gpt2numba_kv_cache_max_positions") == 0
+        finally:
+            release.set()
+        assert lines.result(300)[-1] == "data: [DONE]"
+        found = scrape(client)
+    assert value(found, "gpt2numba_kv_cache_positions", kind="own") == 0
+    assert value(found, "gpt2numba_kv_cache_positions", kind="shared") == 0

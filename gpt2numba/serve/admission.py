@@ -54,6 +54,16 @@ def check_choices(limits: ServeConfig, prompts: int, n: int, field: str = "n") -
                       f"the server allows {limits.max_choices} per request (--max-choices)", field)
 
 
+def check_cache(positions: int | None, prompt_lengths: list[int], max_tokens: int) -> None:
+    """Refused(400) for a choice that would need more cache positions than the server keeps for all
+    (--kv-cache-mb, as ``positions``; None: no bound): it could never start."""
+    longest = max(prompt_lengths, default=0) + max_tokens
+    if positions is not None and max_tokens and longest > positions:
+        raise Refused(400, f"a choice of this request needs up to {longest} cache positions (its prompt and "
+                      f"max_tokens); the server keeps {positions} for every sequence in flight (--kv-cache-mb)",
+                      "max_tokens")
+
+
 def check_size(limits: ServeConfig, prompt_lengths: list[int], n: int, max_tokens: int, logprobs: int | None,
                echo: bool, field: str = "n") -> None:
     """Refused(400) for a request over a per-request limit, whatever the load. n: the choices run per prompt
@@ -98,6 +108,13 @@ class Waiting:
     def find(self, wanted):
         """The first waiting job for which wanted(job) is true, or None."""
         return next((job for job in self._jobs if wanted(job)), None)
+
+    def peek(self, job=None):
+        """(job, choice index) that take(job) would give now, without taking it; None if none waits."""
+        if not self._jobs:
+            return None
+        job = self._jobs[0] if job is None else job
+        return job, job.started
 
     def take(self, job=None):
         """(job, choice index) of the next choice to start: job's if given (a waiting job), else round-robin

@@ -33,7 +33,7 @@ from .. import checks
 from ..tokenizer import Tokenizer
 from ..tokenview import inspect_ids
 from ..weights import GPT2Weights
-from .admission import Refused, check_choices, check_size
+from .admission import Refused, check_cache, check_choices, check_size
 from .config import ServeConfig
 from .engine import Engine, Job
 from .events import Done, Failed
@@ -128,6 +128,7 @@ class Routes:
             r = parse_completion(body, self.tokenizer, cfg.n_positions, cfg.vocab_size)
             check_size(self.engine.config, [len(ids) for ids in r.prompts], r.best_of, r.max_tokens, r.logprobs,
                        r.echo, "best_of" if r.best_of > r.n else "n")
+            check_cache(self.engine.max_positions, [len(ids) for ids in r.prompts], r.max_tokens)
         except Refused as e:
             raise ApiError(e.status, e.message, e.param) from None
         return r

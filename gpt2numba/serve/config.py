@@ -53,6 +53,12 @@ class ServeConfig:
     prefix_cache_mb: float = _setting(256, Flag(
         "memory for recent prompts' keys and values: a prompt that begins as one before prefills only the rest; "
         "0 turns it off (default %(default)s)", "MB", at_least=0))
+    # Memory for the keys and values the sequences in flight write (those they read in place, a prefix cache's
+    # blocks or a shared prompt's rows, cost nothing more): a choice that would pass it waits for others to
+    # leave. 0: bounded by max_batch alone (each sequence owns up to n_positions positions).
+    kv_cache_mb: float = _setting(0, Flag(
+        "memory for the keys and values the sequences in flight write; a choice that would pass it waits in the "
+        "queue; 0: no bound but --max-batch (default %(default)s)", "MB", at_least=0))
     max_queue: int = _setting(64, Flag("requests waiting beyond those; more get 503 (default %(default)s)", "N",
                                        at_least=1))
     max_queued_choices: int = _setting(1024, Flag(
@@ -92,8 +98,9 @@ class ServeConfig:
                               f"({self.max_queued_choices})")
         if self.max_step_tokens < 1:
             raise ConfigError(f"max_step_tokens must be at least 1, got {self.max_step_tokens}")
-        if not self.prefix_cache_mb >= 0:
-            raise ConfigError(f"prefix_cache_mb must be at least 0, got {self.prefix_cache_mb}")
+        for name in ("prefix_cache_mb", "kv_cache_mb"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be at least 0, got {getattr(self, name)}")
         check_kv_dtype(self.kv_dtype)
 
     def named(self, model: str | None) -> ServeConfig:

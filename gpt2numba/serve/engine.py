@@ -138,7 +138,9 @@ class Engine:
         self.metrics = metrics if metrics is not None else Watcher()
         kv_dtype, prefix_bytes = config.kv_dtype, int(config.prefix_cache_mb * 2**20)
         self.prefixes = PrefixCache(w.config, prefix_bytes, kv_dtype) if config.prefix_cache_mb else None
-        self.batch = Batch(w, config.max_batch, self.prefixes, kv_dtype)  # every sequence's cache in kv_dtype
+        position = ModelCache(w.config, 1, kv_dtype).nbytes  # bytes of one position's keys and values
+        self.max_positions = int(config.kv_cache_mb * 2**20) // position if config.kv_cache_mb else None
+        self.batch = Batch(w, config.max_batch, self.prefixes, kv_dtype, self.max_positions)  # caches in kv_dtype
         self.logprobs = Logprobs(w, tokenizer, kv_dtype)
         self.waiting = Waiting(config)
         self._owner: dict[Sequence, tuple[Job, _Choice]] = {}
@@ -222,6 +224,12 @@ class Engine:
     def active(self) -> int:
         """Sequences in flight: in the batch, or paused for a while to give a place to another request."""
         return len(self.batch.sequences) + len(self.batch.paused)
+
+    @property
+    def positions(self) -> tuple[int, int]:
+        """Cache positions of the sequences in flight after the last step: (written into their own arrays, read
+        in place from others'): Batch.positions."""
+        return self.batch.in_flight
 
     @property
     def paused(self) -> int:
@@ -346,15 +354,24 @@ class Engine:
             if self.batch.full and (newcomer is None or not self._pause_one()):
                 return
             with self._wake:
+                head = self.waiting.peek(newcomer)
+                if head is None or not self.batch.admits(self._need(*head)):
+                    return  # (it waits in the queue until sequences leave: check_cache saw that it fits alone)
                 head = self.waiting.take(newcomer)
-            if head is None:
-                return
             job, index = head
             try:
                 self._start(job, index)
             except Exception as e:  # a bug: this request fails, the others go on
                 log.exception("starting a request failed")
                 self._fail(job, f"internal error: {type(e).__name__}: {e}")
+
+    def _need(self, job: Job, index: int) -> int:
+        """The cache positions choice ``index`` of ``job`` would reserve if it started now (Batch.need)."""
+        r = job.request
+        if r.max_tokens == 0:
+            return 0
+        prompt = index // r.best_of
+        return self.batch.need(r.prompts[prompt], r.max_tokens, job.shared.get(prompt))
 
     def _pause_one(self) -> bool:
         """Pause the latest decoding sequence of the request with the most places, if it holds two or more."""

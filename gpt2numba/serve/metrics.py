@@ -95,6 +95,14 @@ class _EngineState:
         yield GaugeMetricFamily("gpt2numba_num_sequences_paused", "Sequences paused, their places given to "
                                 "requests with nothing in flight", value=engine.paused)
         yield CounterMetricFamily("gpt2numba_num_preemptions", "Sequences paused so far", value=engine.preemptions)
+        own, shared = engine.positions
+        positions = GaugeMetricFamily("gpt2numba_kv_cache_positions", "Cache positions of the sequences in flight: "
+                                      "written into their own arrays, or read in place from others'", labels=["kind"])
+        positions.add_metric(["own"], own)
+        positions.add_metric(["shared"], shared)
+        yield positions
+        yield GaugeMetricFamily("gpt2numba_kv_cache_max_positions", "Cache positions the sequences in flight may "
+                                "own at once (--kv-cache-mb); 0 for no bound", value=engine.max_positions or 0)
         prefixes = getattr(engine, "prefixes", None)  # None: no prefix cache (or an engine without one)
         if prefixes is None:
             return
