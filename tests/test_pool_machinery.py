@@ -6,6 +6,7 @@ this test process (pytest-xdist's among them) is in a forked child.
 """
 
 import concurrent.futures
+import functools
 import os
 import subprocess
 import sys
@@ -170,10 +171,11 @@ def _fall_back(patch: str, env: dict | None = None) -> tuple[list, str, str, str
     return eval(lines[0]), lines[1], lines[2], lines[3]
 
 
-def _digest_here() -> str:
-    import hashlib
-    logits = g.prefill(np.arange(40) * 3 % 512, g.random_weights(TINY, seed=2), g.ModelCache(TINY))
-    return hashlib.sha256(logits.tobytes()).hexdigest()
+@functools.cache
+def _digest_fresh() -> str:
+    """The digest of the same logits in a fresh process with the pool as it comes (not this one's: a test
+    before may have left its threads or thresholds otherwise)."""
+    return _run(_SIZED.format(patch=""), {}).stdout.splitlines()[-1]
 
 
 def test_a_hook_called_otherwise_than_expected_falls_back_to_numbas_layer_with_one_warning():
@@ -187,7 +189,7 @@ gpt2numba.pool._expected_call = lambda n: {**real(n), "array_count": real(n)["ar
     assert len(warned) == 1 and "not the expected" in warned[0] and "'array_count': 3" in warned[0], warned
     assert described.startswith("Numba's ") and "pool is off" in described and "array_count" in described
     assert state == "False False 0"
-    assert digest == _digest_here()
+    assert digest == _digest_fresh()
 
 
 def test_thread_ids_that_are_not_the_pools_fail_the_self_check():
@@ -204,7 +206,7 @@ gpt2numba.pool._start = start
     warned, described, state, digest = _fall_back(patch)
     assert len(warned) == 1 and "thread ids [0]" in warned[0], warned
     assert state == "False False 0"
-    assert digest == _digest_here()
+    assert digest == _digest_fresh()
 
 
 def test_an_untested_numba_falls_back_unless_forced():
@@ -289,7 +291,7 @@ def test_a_quota_of_one_cpu_gives_a_pool_of_one_thread_unless_gpt2numba_threads_
     env = {"NUMBA_NUM_THREADS": None, "GPT2NUMBA_THREADS": None}
     threads, described, digest = _run(_SIZED.format(patch=patch), env).stdout.splitlines()
     assert threads == "1 False" and "a cgroup quota of 1 CPUs" in described
-    assert digest == _digest_here()
+    assert digest == _digest_fresh()
     threads, described, _ = _run(_SIZED.format(patch=patch), {**env, "GPT2NUMBA_THREADS": "2"}).stdout.splitlines()
     assert threads.split()[0] == "2" and "$GPT2NUMBA_THREADS" in described
 
@@ -306,7 +308,7 @@ os.sched_getaffinity = lambda pid: {0, 1500} if pid == 0 else real(pid)
     threads, described, digest = _run(_SIZED.format(patch=patch), env).stdout.splitlines()
     assert threads == "2 True"
     assert "pinning failed: thread 1 to CPU 1500: Invalid argument" in described, described
-    assert digest == _digest_here()
+    assert digest == _digest_fresh()
 
 
 def test_gpt2numba_check_tells_where_regions_run_and_a_refused_pinning(tmp_path):
