@@ -85,7 +85,7 @@ class Batch:
         self.w, self.size, self.prefixes, self.kv_dtype = w, size, prefixes, check_kv_dtype(kv_dtype)
         # the cache positions its sequences may own at once (None: as many as they ask), each sequence
         # reserving what it may write when it is added (need), released when it leaves
-        self.max_positions, self.reserved = max_positions, 0
+        self.max_positions = max_positions
         self.in_flight = (0, 0)  # positions() after the last step: plain ints another thread may read
         self.sequences: list[Sequence] = []
         self.paused: list[Sequence] = []  # out of the steps for now, their caches kept (pause, resume)
@@ -101,6 +101,11 @@ class Batch:
         if shared is not None and (shared.cache is not None or shared.leader is not None):
             return max_new_tokens
         return len(ids) - (self.prefixes.cached(ids) if self.prefixes is not None else 0) + max_new_tokens
+
+    @property
+    def reserved(self) -> int:
+        """The positions reserved by the sequences in flight (in the steps or paused)."""
+        return sum(s.reserved for s in self.sequences + self.paused)
 
     def admits(self, need: int) -> bool:
         """Whether a sequence that needs ``need`` positions fits beside those reserved."""
@@ -123,7 +128,7 @@ class Batch:
         assert self.admits(need)
         cache = ModelCache(self.w.config, max_len=len(ids) + max_new_tokens, dtype=self.kv_dtype)
         seq = Sequence(list(ids), max_new_tokens, sampler, rng, _stop_ids(sampler) if stop_at_eos else (), cache)
-        seq.reserved, self.reserved = need, self.reserved + need
+        seq.reserved = need
         if shared is not None:
             assert shared.uses >= 1
             shared.uses -= 1
@@ -156,7 +161,6 @@ class Batch:
 
     def remove(self, seq: Sequence) -> None:
         """Stop a sequence now (its cache goes with it). A leader whose prompt has not run hands it on."""
-        self.reserved -= seq.reserved
         if seq in self.paused:
             self.paused.remove(seq)
             seq.cache = None
@@ -168,7 +172,6 @@ class Batch:
             shared.leader = waiting[0] if waiting else None
             if waiting:  # it runs the prompt now: the leader's reservation goes with it
                 waiting[0].reserved += seq.reserved - seq.max_new_tokens
-                self.reserved += seq.reserved - seq.max_new_tokens
                 waiting[0].feed = list(waiting[0].ids)
                 if self.prefixes is not None:
                     del waiting[0].feed[: self.prefixes.load(waiting[0].ids, waiting[0].cache)]
