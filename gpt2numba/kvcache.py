@@ -116,11 +116,11 @@ class ModelCache:
     def keys(self) -> np.ndarray:
         """The filled keys as float32 (n_layer, n_head, length, head_dim): a view of a float32 cache, an
         exact copy of a float16 or bfloat16 one (every such value is a float32)."""
-        return self._float32(self._rows(0, self._length)[0])
+        return self._float32(self._gathered(0, 0, self._length))
 
     def values(self) -> np.ndarray:
         """The filled values as float32 (n_layer, n_head, length, head_dim), as keys()."""
-        return self._float32(self._rows(0, self._length)[1])
+        return self._float32(self._gathered(1, 0, self._length))
 
     def segments(self, n: int | None = None) -> list[tuple[np.ndarray, np.ndarray, int, int, int]]:
         """Where positions [0, n) (default: length) are kept: (k, v, first, end, row) for each run, in order,
@@ -133,17 +133,21 @@ class ModelCache:
         return runs
 
     def _rows(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of positions [start, end), as stored: k, v (n_layer, n_head, end - start, head_dim)."""
-        if start >= self._split:  # own rows only: slices, no gathering
-            return self._k[:, :, start:end], self._v[:, :, start:end]
-        shape = (self._k.shape[0], self._k.shape[1], end - start, self._k.shape[3])
-        k, v = np.empty(shape, self._k.dtype), np.empty(shape, self._v.dtype)
-        for ks, vs, a, b, r in self.segments(end):
-            lo, hi = max(a, start), b
-            if lo < hi:
-                k[:, :, lo - start : hi - start] = ks[:, :, r + lo - a : r + hi - a]
-                v[:, :, lo - start : hi - start] = vs[:, :, r + lo - a : r + hi - a]
-        return k, v
+        """Positions [start, end) as stored, k and v (n_layer, n_head, end - start, head_dim): _gathered."""
+        return self._gathered(0, start, end), self._gathered(1, start, end)
+
+    def _gathered(self, which: int, start: int, end: int) -> np.ndarray:
+        """Positions [start, end) of the keys (``which`` 0) or the values (1), as stored: a slice of the own
+        array when they are all its own, else a copy gathered from the runs."""
+        own = (self._k, self._v)[which]
+        if start >= self._split:
+            return own[:, :, start:end]
+        out = np.empty(own.shape[:2] + (end - start,) + own.shape[3:], own.dtype)
+        for *stores, a, b, r in self.segments(end):
+            lo = max(a, start)
+            if lo < b:
+                out[:, :, lo - start : b - start] = stores[which][:, :, r + lo - a : r + b - a]
+        return out
 
     def _public(self, stored: np.ndarray) -> np.ndarray:
         """A stored array as the user sees it: float16 bits viewed as NumPy's float16, the others as kept."""
