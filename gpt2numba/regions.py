@@ -69,7 +69,7 @@ ll.add_symbol("gpt2numba_pool_masks", _masks.ctypes.data)
 
 SYS_GETTID, SYS_FUTEX, SYS_SCHED_SETAFFINITY, SYS_CLOCK_GETTIME, SYS_GETCPU = 186, 202, 203, 228, 309  # x86-64
 FUTEX_WAIT, FUTEX_WAKE = 128, 129  # the process-private forms
-ETIMEDOUT = 110
+CLOCK_MONOTONIC = 1
 _MASK32 = (1 << 32) - 1
 
 _i64, _i8p = ir.IntType(64), ir.IntType(8).as_pointer()
@@ -188,7 +188,8 @@ def _at(word):
 
 @njit(nogil=True, cache=True)
 def _futex_wait(word, expected, timeout):
-    """-ETIMEDOUT once ``timeout`` (the address of a timespec; 0: none) has passed."""
+    """Sleep while ``word`` holds ``expected``, for at most ``timeout`` (the address of a timespec; 0: no limit).
+    The result says nothing of why it returned (libc's syscall() gives -1 and errno): callers look again."""
     return _syscall(SYS_FUTEX, _at(word), FUTEX_WAIT, expected & _MASK32, timeout)
 
 
@@ -199,14 +200,12 @@ def _futex_wake(word):
 
 @njit(nogil=True, cache=True)
 def _sleep_while(word, value, count, timeout=0):
-    """Sleep while ``word`` holds ``value``; ``count`` tells the writer someone is asleep and needs waking.
-    Returns whether a ``timeout`` (see _futex_wait) ended the sleep."""
+    """Sleep while ``word`` holds ``value`` (at most ``timeout``, see _futex_wait); ``count`` tells the writer
+    someone is asleep and needs waking."""
     _add(_at(count), 1)
-    out = 0
     if _load(_at(word)) == value:
-        out = _futex_wait(word, value, timeout)
+        _futex_wait(word, value, timeout)
     _add(_at(count), -1)
-    return out == -ETIMEDOUT
 
 
 @njit(nogil=True, cache=True)
@@ -218,11 +217,17 @@ def _pin(tid, k):
 
 
 @njit(nogil=True, cache=True)
+def _clock_ns(clock):
+    """The time of ``clock`` (a clockid_t) in ns."""
+    ts = np.zeros(2, np.int64)
+    _syscall(SYS_CLOCK_GETTIME, clock, ts.ctypes.data, 0, 0)
+    return ts[0] * 1_000_000_000 + ts[1]
+
+
+@njit(nogil=True, cache=True)
 def _cpu_ns(tid):
     """CPU time of thread ``tid`` in ns (its clock, CLOCK_THREAD_CPUTIME of another thread)."""
-    ts = np.zeros(2, np.int64)
-    _syscall(SYS_CLOCK_GETTIME, ((~tid) << 3) | 6, ts.ctypes.data, 0, 0)
-    return ts[0] * 1_000_000_000 + ts[1]
+    return _clock_ns(((~tid) << 3) | 6)
 
 
 @njit(nogil=True, cache=True)
@@ -264,8 +269,10 @@ def _pin_back(k):
 
 @cfunc(types.void(types.int64), cache=True)
 def _worker(k):
-    """Thread k's life: wait for a job, run its entries, until GEN goes negative."""
-    seen = _load(_at(GEN))
+    """Thread k's life: wait for a job, run its entries, until GEN goes negative. The job out when it
+    starts is one it looks at too: a thread that comes late (preempted on a busy machine between its
+    start and here) still takes entries of the self-check's job, which waits for the pool's threads."""
+    seen = -1
     while True:
         spins = 0
         g = _load(_at(GEN))
@@ -358,7 +365,7 @@ def _parallel_for(fn, args, dims, steps, data, inner_ndim, array_count, num_thre
     if probe != 2:
         _run_entries(g, 0)
     pinned = _load(_at(PIN)) != 0
-    spins = 0
+    spins = deadline = 0
     done = _load(_at(DONE))
     while done < total:
         if spins < SPIN:
@@ -366,8 +373,13 @@ def _parallel_for(fn, args, dims, steps, data, inner_ndim, array_count, num_thre
             spins += 1
             if pinned and spins % CHECK == 0:
                 _rescue(n_threads)
-        elif probe == 2:  # the self-check: after the wait, what the threads left runs here (and shows)
-            if _sleep_while(DONE, done, WAITING, _load(_at(PROBE_TS))):
+        elif probe == 2:  # the self-check: what the threads leave past its wait runs here (and shows)
+            ts = _load(_at(PROBE_TS))
+            if deadline == 0:
+                deadline = _clock_ns(CLOCK_MONOTONIC) + _load(ts) * 1_000_000_000 + _load(ts + 8)
+            if _clock_ns(CLOCK_MONOTONIC) < deadline:
+                _sleep_while(DONE, done, WAITING, ts)
+            else:
                 _run_entries(g, 0)
         else:
             _sleep_while(DONE, done, WAITING)

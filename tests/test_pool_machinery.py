@@ -28,11 +28,11 @@ pytestmark = [
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def _run(script: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``script`` in a fresh Python with tests/ importable, ``env`` added (None: a variable removed); fails
     the test on a non-zero exit."""
     env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT, env={k: v for k, v in env.items() if v is not None})
     assert done.returncode == 0, done.stdout + done.stderr
     return done
@@ -165,9 +165,9 @@ del sys.modules["gpt2numba"]
 """
 
 
-def _fall_back(patch: str, env: dict | None = None) -> tuple[list, str, str, str]:
+def _fall_back(patch: str, env: dict | None = None, timeout: float = 300) -> tuple[list, str, str, str]:
     """The fall-back script's (warnings, describe(), 'enabled hooked threads', digest of the logits)."""
-    lines = _run(_FALL_BACK.format(patch=patch), env).stdout.splitlines()
+    lines = _run(_FALL_BACK.format(patch=patch), env, timeout).stdout.splitlines()
     return eval(lines[0]), lines[1], lines[2], lines[3]
 
 
@@ -204,6 +204,38 @@ def start():
 gpt2numba.pool._start = start
 """
     warned, described, state, digest = _fall_back(patch)
+    assert len(warned) == 1 and "thread ids [0]" in warned[0], warned
+    assert state == "False False 0"
+    assert digest == _digest_fresh()
+
+
+# the pool's threads reach their loop ``late`` seconds after they say they started: as when the OS
+# preempts them there on a busy machine, after the self-check's job is out
+_LATE_THREADS = _EARLY_POOL + """
+import threading, time
+class Late(threading.Event):
+    def set(self):
+        super().set()
+        if threading.current_thread().name.startswith("gpt2numba-pool-"):
+            time.sleep({late})
+late = types.ModuleType("threading")  # pool.py's threading, with the late Event
+late.__dict__.update(threading.__dict__, Event=Late)
+gpt2numba.pool.threading = late
+"""
+
+
+def test_a_pool_thread_that_comes_late_still_runs_the_self_checks_job():
+    """The job out when a thread starts is one it looks at: the check passes, nothing hangs."""
+    warned, described, state, digest = _fall_back(_LATE_THREADS.format(late=1.0), timeout=120)
+    assert warned == [] and described.startswith("gpt2numba's pool"), (warned, described)
+    assert state.startswith("True True")
+    assert digest == _digest_fresh()
+
+
+def test_a_pool_thread_that_does_not_come_within_the_wait_fails_the_self_check_without_a_hang():
+    """Past the self-check's wait, its caller runs what is left (thread id 0) and the pool falls back."""
+    patch = _LATE_THREADS.format(late=5.0) + "gpt2numba.pool._probe_timeout[:] = (0, 300_000_000)"
+    warned, described, state, digest = _fall_back(patch, timeout=120)
     assert len(warned) == 1 and "thread ids [0]" in warned[0], warned
     assert state == "False False 0"
     assert digest == _digest_fresh()
