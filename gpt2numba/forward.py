@@ -10,6 +10,9 @@ decode_step are the one-sequence case of the same pass.
 
 Every wrapper validates everything before any work, and a cache's length moves
 only once its logits exist: a call that raises leaves every cache as it was.
+Scoring (scoring.py), the token view (tokenview.py) and the server's prompt
+log-probabilities (serve/logprobs.py) run the same pass with a head of their own:
+checked_prompt, forward_pass and logits_head are the package's internal API for that.
 Shapes: N = rows, B = sequences, C = n_embd, V = vocab_size.
 """
 
@@ -58,7 +61,7 @@ def prefill(prompt_ids, w: GPT2Weights, mc: ModelCache, logits: str = "last") ->
     checks.weights(w)
     if logits not in ("last", "all"):
         raise ConfigError(f'logits must be "last" or "all", got {logits!r}')
-    rows = _forward([_prompt(prompt_ids, w, mc, "")], w, [mc], _logits_head(w), every_row=logits == "all")
+    rows = forward_pass([checked_prompt(prompt_ids, w, mc, "")], w, [mc], logits_head(w), every_row=logits == "all")
     return rows if logits == "all" else rows[0]
 
 
@@ -70,7 +73,7 @@ def decode_step(token_id: int, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
     then unchanged.
     """
     checks.weights(w)
-    return _forward([_token(token_id, w, mc, "")], w, [mc], _logits_head(w))[0]
+    return forward_pass([_token(token_id, w, mc, "")], w, [mc], logits_head(w))[0]
 
 
 def prefill_batch(prompts, w: GPT2Weights, caches, *, out: np.ndarray | None = None) -> np.ndarray:
@@ -85,8 +88,8 @@ def prefill_batch(prompts, w: GPT2Weights, caches, *, out: np.ndarray | None = N
     """
     checks.weights(w)
     prompts, caches = _pairs(prompts, caches, "prompts")
-    rows = [_prompt(ids, w, mc, f"prompt {b}: ") for b, (ids, mc) in enumerate(zip(prompts, caches))]
-    return _forward(rows, w, caches, _logits_head(w, out, len(rows)))
+    rows = [checked_prompt(ids, w, mc, f"prompt {b}: ") for b, (ids, mc) in enumerate(zip(prompts, caches))]
+    return forward_pass(rows, w, caches, logits_head(w, out, len(rows)))
 
 
 def decode_batch(token_ids, w: GPT2Weights, caches, *, out: np.ndarray | None = None) -> np.ndarray:
@@ -102,7 +105,7 @@ def decode_batch(token_ids, w: GPT2Weights, caches, *, out: np.ndarray | None = 
         raise BatchError(f"token_ids must be 1-D, one id per cache; got an array of shape {token_ids.shape}")
     token_ids, caches = _pairs(token_ids, caches, "token_ids")
     rows = [_token(t, w, mc, f"token {b}: ") for b, (t, mc) in enumerate(zip(token_ids, caches))]
-    return _forward(rows, w, caches, _logits_head(w, out, len(rows)))
+    return forward_pass(rows, w, caches, logits_head(w, out, len(rows)))
 
 
 def embed_token(token_id: int, position: int, w: GPT2Weights) -> np.ndarray:
@@ -186,7 +189,7 @@ def _check_cache(w: GPT2Weights, mc, label: str) -> None:
         raise ConfigError(f"{label}the cache was built for {mc.config}, the weights are {w.config}")
 
 
-def _prompt(prompt_ids, w: GPT2Weights, mc, label: str) -> np.ndarray:
+def checked_prompt(prompt_ids, w: GPT2Weights, mc, label: str) -> np.ndarray:
     """One checked prompt, int64 (T,), that fits its cache; ``label`` starts every message."""
     _check_cache(w, mc, label)
     ids = checks.labelled(label, checks.token_ids, prompt_ids, w.config.vocab_size)
@@ -209,7 +212,7 @@ def _token(token_id, w: GPT2Weights, mc, label: str) -> np.ndarray:
 
 # --- the forward pass -----------------------------------------------------------------------------------
 
-def _forward(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], head, every_row: bool = False):
+def forward_pass(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], head, every_row: bool = False):
     """All blocks over the checked new ids of B sequences; then ``head`` on the final rows.
 
     seqs[b]: int64 (T_b,) ids at positions caches[b].length..; the caches are
@@ -299,7 +302,7 @@ def _integer_matmul(x, q, scale, b, out, accumulate, work, n_chunks):
         inttiles._tiles_matmul(x, *work.widened(T, K), q, scale, b, out, accumulate, n_chunks)
 
 
-def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None = None):
+def logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None = None):
     """The head that returns logits: h (R, C) -> float32 (R, V), into ``out`` (rows, V) if given."""
     V = w.config.vocab_size
     if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (rows, V)
@@ -307,7 +310,7 @@ def _logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None
         raise ConfigError(f"out must be a writeable, C-contiguous float32 array of shape {(rows, V)}")
 
     def head(h: np.ndarray, n_chunks: int) -> np.ndarray:
-        # the tied head wte; BLAS already pinned by _forward
+        # the tied head wte; BLAS already pinned by forward_pass
         logits = np.empty((len(h), V), np.float32) if out is None else out
         _head_logits(w, h, logits, n_chunks)
         return logits
@@ -330,9 +333,9 @@ def _head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, n_chunks: in
 
 def head_inputs(w: GPT2Weights, h: np.ndarray):
     """The rows as the scoring head takes them (matkernels._head_log_softmax): h itself, or for the
-    integer formats h quantised and laid out for the integer tiles (inttiles.widen), as every
+    integer formats h quantised and laid out for the integer tiles (inttiles.laid_out), as every
     integer product multiplies them."""
-    return inttiles.widen(h) if w.scales else h
+    return inttiles.laid_out(h) if w.scales else h
 
 
 # --- work buffers: sized by the rows of a pass, kept for the next one ------------------------------
@@ -378,8 +381,8 @@ class _Workspace:
 
     def widened(self, T: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """int8 (rows, K), float32 (rows, K // GROUP) and inttiles.WIDE (rows, K) for T rows of inputs
-        quantised and laid out for the tiles, rows = inttiles.rows(T) (whole tiles)."""
-        n = inttiles.rows(T)
+        quantised and laid out for the tiles, rows = inttiles.padded_rows(T) (whole tiles)."""
+        n = inttiles.padded_rows(T)
         if self._wide.size < n * K:
             self._wide = np.empty(n * self.width, inttiles.WIDE)
         q, s = self.quantized(n, K)

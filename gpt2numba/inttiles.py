@@ -1,7 +1,7 @@
 """Integer matrix products over many rows: out (+)= x @ W.T (+ b), W int8 or int4 as stored.
 
 The inputs are quantised per group of GROUP as for every integer product
-(intkernels._quantize_rows) and laid out once for the CPU's multiply-add (_widen_rows).
+(intkernels._quantize_rows) and laid out once for the CPU's multiply-add (_lay_out_rows).
 W is read as stored: each thread takes a panel of PANEL of W's rows (outputs) at a
 time and, one block of K_BLOCK inputs after another, repacks that block into a small
 buffer, in the order the tile reads it (_pack_panel), then runs the tile over every
@@ -52,7 +52,7 @@ _OFFSET = 128  # added to a quad's inputs, which vpdpbusd takes unsigned
 
 _DPBUSD = f"llvm.x86.avx512.vpdpbusd.{TILE_VNNI}" if TILE_VNNI else None  # LLVM's name of VNNI's vpdpbusd
 QUADS = _DPBUSD is not None  # the steps forward.py lays the inputs out for
-WIDE = np.uint8 if QUADS else np.int16  # the dtype of _widen_rows's xw, which chooses the step
+WIDE = np.uint8 if QUADS else np.int16  # the dtype of _lay_out_rows's xw, which chooses the step
 
 
 def _madd(builder, a, b):
@@ -85,12 +85,12 @@ def _dpbusd(builder, acc, a, b):
     return acc
 
 
-def _pin(builder, values):
+def _hold_in_registers(builder, values):
     """values, all held in vector registers at one point of the program that no memory access
     crosses (an empty inline assembly on x86).
 
     Without it LLVM orders the tile's work row after row (integer sums may be done in any
-    order), which keeps every loaded weight alive at once and spills them to the stack. Pinned
+    order), which keeps every loaded weight alive at once and spills them to the stack. Held
     after each pair of inputs, the tile does one pair after another, with only its sums, a
     pair's weights and one broadcast live.
     """
@@ -113,7 +113,7 @@ def _step(xw):
 def _tile(typingctx, xw, xs, panel, pscale, pcorr, acc, t0, g0, g1):
     """acc[t0:t0+TILE_ROWS] += the products of groups g0..g1-1 of TILE_ROWS input rows with a panel.
 
-    xw: the quantised inputs as _widen_rows lays them out, int16 (pairs) or uint8 (quads: x + 128)
+    xw: the quantised inputs as _lay_out_rows lays them out, int16 (pairs) or uint8 (quads: x + 128)
     (rows, K); xs: float32 (rows, K // GROUP), their scales; panel: int16 or int8 flat (as xw),
     the panel's groups g0..g1-1 as _pack_panel writes them; pscale: float32 (K // GROUP, PANEL),
     the panel's scales; pcorr: int32 (K // GROUP, PANEL), for quads the offset's share of each sum
@@ -188,7 +188,7 @@ def _tile(typingctx, xw, xs, panel, pscale, pcorr, acc, t0, g0, g1):
                     else:
                         prod = _madd(builder, x, w[v])
                         sums[r][v] = prod if p == 0 else builder.add(sums[r][v], prod)
-            flat = _pin(builder, [s for row in sums for s in row])
+            flat = _hold_in_registers(builder, [s for row in sums for s in row])
             sums = [flat[r * V:(r + 1) * V] for r in range(R)]
         if quads:
             corr = [builder.load(at(pca.data, builder.add(builder.mul(g, const(PANEL)), const(v * L)), vi), align=4)
@@ -373,7 +373,7 @@ def _pack_panel(w, scale, n0, g0, g1, panel, pscale, pcorr):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _widen_rows(x, xq, xs, xw):
+def _lay_out_rows(x, xq, xs, xw):
     """xw = the int8 values of x quantised per group (_quantize_rows), laid out for the tiles; xs their scales.
 
     x: float32 (T, K); xq: int8 (>= T, K), scratch; xs: float32 (>= T, K // GROUP);
@@ -441,7 +441,7 @@ def _int_tiles(xw, xs, T, w, scale, b, out, accumulate, n_workers):
     """out (+)= x @ W.T (+ b) for many rows, W an integer matrix read as stored.
 
     xw: int16 or uint8 (rows, K), the T input rows quantised and laid out for pairs or quads
-    (_widen_rows), rows a multiple of TILE_ROWS; xs: float32 (rows, K // GROUP), 0 past T;
+    (_lay_out_rows), rows a multiple of TILE_ROWS; xs: float32 (rows, K // GROUP), 0 past T;
     w: int8 (N, K) or packed int4 uint8 (N, K // 2); scale: (N, K // GROUP); b: (N,) or None;
     out: (T, N). A chunk is CHUNK outputs (_chunk); n_workers iterations, each with buffers
     of its own, claim them. An output's result does not depend on its chunk, nor on the
@@ -457,21 +457,21 @@ def _int_tiles(xw, xs, T, w, scale, b, out, accumulate, n_workers):
 
 @njit(cache=True, nogil=True)
 def _tiles_matmul(x, xq, xs, xw, w, scale, b, out, accumulate, n_workers):
-    """out (+)= x @ W.T (+ b): x quantised and laid out into xq, xs, xw (_widen_rows), then
+    """out (+)= x @ W.T (+ b): x quantised and laid out into xq, xs, xw (_lay_out_rows), then
     _int_tiles; one call from Python. x: float32 (T, K); xq: int8, xs: float32 and xw: WIDE
-    (or either layout's type) with rows(T) rows; the rest as _int_tiles."""
-    _widen_rows(x, xq, xs, xw)
+    (or either layout's type) with padded_rows(T) rows; the rest as _int_tiles."""
+    _lay_out_rows(x, xq, xs, xw)
     _int_tiles(xw, xs, x.shape[0], w, scale, b, out, accumulate, n_workers)
 
 
-def widen(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(xw, xs): float32 rows x (T, K) quantised and laid out for the tiles (_widen_rows), in new arrays."""
-    n, K = rows(len(x)), x.shape[1]
+def laid_out(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(xw, xs): float32 rows x (T, K) quantised and laid out for the tiles (_lay_out_rows), in new arrays."""
+    n, K = padded_rows(len(x)), x.shape[1]
     xw, xs = np.empty((n, K), WIDE), np.empty((n, K // _GROUP), np.float32)
-    _widen_rows(x, np.empty((n, K), np.int8), xs, xw)
+    _lay_out_rows(x, np.empty((n, K), np.int8), xs, xw)
     return xw, xs
 
 
-def rows(T: int) -> int:
+def padded_rows(T: int) -> int:
     """Rows of the widened inputs for T rows: whole tiles."""
     return (T + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS

@@ -473,13 +473,3 @@ def _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scra
                 for i in range(m):
                     for d in range(D):
                         out[first + i, h * D + d] = q[i, d]
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _stream_sum(a):
-    """Sum of a 1-D float32 array, one contiguous block per thread: a read-bandwidth probe."""
-    n = a.size
-    total = 0.0
-    for i in prange(n):
-        total += a[i]
-    return total

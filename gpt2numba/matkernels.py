@@ -300,7 +300,7 @@ def _head_work_typed(inputs):
 def _head_scores(wte, scale, inputs, c0, c1, work, chunk):
     """chunk (R, c1 - c0) = the logits of vocabulary rows c0..c1-1: inputs @ W[c0:c1].T, W = wte
     widened to float32 and one BLAS product; or for the integer formats (inputs = (xw, xs), as
-    inttiles.widen lays them out) the integer tiles, W read as stored."""
+    inttiles.laid_out) the integer tiles, W read as stored."""
 
 
 @overload(_head_scores, inline="always")
@@ -323,7 +323,7 @@ def _head_log_softmax(wte, scale, inputs, targets, logprob, best, n_chunks):
     """log softmax(h @ W.T) at each row's target, and each row's argmax, with no (R, V) array.
 
     wte, scale: as _widen_rows takes them; inputs: h (R, C), or for the integer formats h
-    quantised for the tiles, (xw, xs) (inttiles.widen); targets: int64 (R,), ids in [0, V)
+    quantised for the tiles, (xw, xs) (inttiles.laid_out); targets: int64 (R,), ids in [0, V)
     or -1 for a row with none (its logprob is nan); logprob: float64 (R,); best: int64 (R,),
     the lowest id of the largest logit.
     A chunk is a span of the vocabulary, taken HEAD_CHUNK rows at a time (_head_scores:

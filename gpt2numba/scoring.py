@@ -1,13 +1,13 @@
 """Scoring text: every token's log-probability given those before it, and perplexity.
 
 The forward pass runs over every position of a window; its head is a fused
-log-softmax (kernels._head_log_softmax) that keeps, per position, only the
+log-softmax (matkernels._head_log_softmax) that keeps, per position, only the
 target's log-probability and the argmax: no (T, vocab) array exists. Documents
 longer than the context are scored in sliding windows, as in Hugging Face's guide
 "Perplexity of fixed-length models"; many short documents share one pass.
 Documents that begin with the same tokens (a context and its continuations) are
 scored in groups: the shared rows run once into a cache, which is forked for each
-member, and only the members' own rows run after it.
+member (reading those rows in place), and only the members' own rows run after it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from . import checks
 from .errors import ConfigError, TokenTypeError
-from .forward import _forward, head_inputs
+from .forward import forward_pass, head_inputs
 from .matkernels import _head_log_softmax
 from .kvcache import ModelCache, check_kv_dtype
 from .sample import _tokenizer
@@ -208,7 +208,7 @@ def _score_pass(inputs, targets, caches, spans, w: GPT2Weights) -> list[tuple[np
             _head_log_softmax(w.wte, scale, head_inputs(w, h[rows]), wanted, logprob, best, chunks)
         return logprob, best
 
-    logprob, best = _forward(list(inputs), w, caches, head, every_row=True)
+    logprob, best = forward_pass(list(inputs), w, caches, head, every_row=True)
     greedy, bounds = best == wanted, np.cumsum([0] + [hi - lo for lo, hi in spans])
     return [(logprob[a:b], greedy[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 

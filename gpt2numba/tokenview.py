@@ -4,7 +4,7 @@ GLTR (Gehrmann et al., 2019) colours each token of a text by its rank under GPT-
 showed each token's probability beside the alternatives. ``inspect_ids`` computes both for every token
 of a text in one forward pass over <|endoftext|> + the text's ids: the first token is predicted from
 <|endoftext|>, as lm-eval's rolling log-likelihood does, so every token has a probability. The pass is
-forward._forward over every row, as scoring.py's; its head turns HEAD_ROWS rows at a time into logits
+forward.forward_pass over every row, as scoring.py's; its head turns HEAD_ROWS rows at a time into logits
 and keeps, per row, their log-sum-exp, the target's logit, how many logits are larger and the k
 largest (_rows, one kernel with two passes over a row): no (tokens, vocab) array exists, only
 (HEAD_ROWS, vocab) at a time.
@@ -21,7 +21,7 @@ from numba import njit, prange
 from . import checks
 from .chunks import _claimed
 from .errors import ConfigError, TokenError, TokenTypeError
-from .forward import _forward, _logits_head, _prompt
+from .forward import checked_prompt, forward_pass, logits_head
 from .kernels import FASTMATH, _exp_inplace
 from .kvcache import ModelCache, check_kv_dtype
 from .sample import _tokenizer
@@ -89,7 +89,7 @@ def inspect_ids(ids, w: GPT2Weights, tokenizer: Tokenizer | None = None, *, top_
                          f"{cfg.n_positions - 1} (n_positions {cfg.n_positions}, one for <|endoftext|> before it)")
     fed = np.concatenate([[tokenizer.eot_id], ids[:-1]]).astype(np.int64)  # row i predicts ids[i]
     mc = ModelCache(cfg, max_len=len(fed), dtype=kv_dtype)
-    logits_of, k, T = _logits_head(w), int(top_logprobs), len(ids)
+    logits_of, k, T = logits_head(w), int(top_logprobs), len(ids)
     logprobs, ranks = np.empty(T), np.empty(T, np.int64)
     top_ids, top_values = np.empty((T, k), np.int64), np.empty((T, k))
 
@@ -99,7 +99,7 @@ def inspect_ids(ids, w: GPT2Weights, tokenizer: Tokenizer | None = None, *, top_
             _rows(logits_of(h[r0:r1], chunks), ids[r0:r1], logprobs[r0:r1], ranks[r0:r1], top_ids[r0:r1],
                   top_values[r0:r1], chunks)
 
-    _forward([_prompt(fed, w, mc, "")], w, [mc], head, every_row=True)
+    forward_pass([checked_prompt(fed, w, mc, "")], w, [mc], head, every_row=True)
     text_of = _Texts(tokenizer)
     lengths = np.array([len(tokenizer.token_bytes(int(t))) for t in ids], np.int64)
     ends = np.cumsum(lengths)

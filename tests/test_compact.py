@@ -175,7 +175,7 @@ def test_int_tiles(shape, N, n_workers, accumulate, bias, dtype, seed):
     T, K = shape
     stored, scale = compact.quantize(randn(rng, N, K), dtype)
     x = randn(rng, T, K)
-    rows = inttiles.rows(T)
+    rows = inttiles.padded_rows(T)
     ref_q, ref_s = quantize_rows(x)
     b, start = randn(rng, N) if bias else None, randn(rng, T, N)
     ref = (start.astype(np.float64) if accumulate else 0) + int64_products(ref_q, ref_s, stored, scale) + (b if bias else 0)
@@ -183,7 +183,7 @@ def test_int_tiles(shape, N, n_workers, accumulate, bias, dtype, seed):
     for wide, offset in [(np.int16, 0), (np.uint8, 128)]:
         xq, xs, xw = np.empty((rows, K), np.int8), np.empty((rows, K // compact.GROUP), np.float32), np.empty((rows, K), wide)
         xw[:] = 99  # rows past T must be the layout's zero
-        inttiles._widen_rows(x, xq, xs, xw)
+        inttiles._lay_out_rows(x, xq, xs, xw)
         np.testing.assert_array_equal(xw[:T].astype(np.int64) - offset, ref_q)
         np.testing.assert_array_equal(xs[:T], ref_s)
         assert (xw[T:] == offset).all() and not xs[T:].any()
@@ -224,7 +224,7 @@ def test_integer_kernels_use_the_integer_multiply_add(dtype, kernel):
         fresh(xq, xs, stored, scale, None, out, False, 1)
     else:
         fresh = numba.njit(inttiles._int_tiles.py_func, parallel=True)
-        rows = inttiles.rows(1)
+        rows = inttiles.padded_rows(1)
         fresh(np.zeros((rows, 64), inttiles.WIDE), np.zeros((rows, 2), np.float32), 1, stored, scale, None, out, False, 1)
     asm = "\n".join(fresh.inspect_asm().values()).lower()
     assert any(op in asm for op in ("pmaddwd", "vpdpwssd", "vpdpbusd")), f"no 8-bit multiply-add in {kernel}"

@@ -79,9 +79,10 @@ def test_catches_mask_leaking_the_next_position(tiny, ids, monkeypatch):
 
 
 def test_catches_transposed_conv1d_weight(tiny, ids, monkeypatch):
-    real = forward._forward
+    real = forward.forward_pass
     flipped = dataclasses.replace(tiny, attn_c_proj_w=tiny.attn_c_proj_w.transpose(0, 2, 1).copy())
-    monkeypatch.setattr(forward, "_forward", lambda seqs, w, caches, *rest, **kw: real(seqs, flipped, caches, *rest, **kw))
+    monkeypatch.setattr(forward, "forward_pass",
+                        lambda seqs, w, caches, *rest, **kw: real(seqs, flipped, caches, *rest, **kw))
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")
 
@@ -199,7 +200,7 @@ def _int_rows_mutant(monkeypatch, change):
     monkeypatch.setattr(forward, "_int_matmul", int_matmul)
 
     def tiles_matmul(x, xq, xs, xw, w, scale, *rest):  # and past INT_ROWS_MAX rows
-        inttiles._widen_rows(x, xq, xs, xw)
+        inttiles._lay_out_rows(x, xq, xs, xw)
         xw, xs, w, scale = change(xw, xs, w, scale)
         inttiles._int_tiles(xw, xs, x.shape[0], w, scale, *rest)
     monkeypatch.setattr(inttiles, "_tiles_matmul", tiles_matmul)

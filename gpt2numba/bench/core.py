@@ -277,17 +277,17 @@ def measure_floors(stored, args):
 
 
 def read_bandwidth(mib):
-    """Bytes/s of the best of five streaming reads of a float32 array of ``mib`` MiB (kernels._stream_sum, on
+    """Bytes/s of the best of five streaming reads of a float32 array of ``mib`` MiB (stream.stream_sum, on
     the threads set), after waiting for a quiet machine: what the memory can do."""
-    from ..kernels import _stream_sum
+    from .stream import stream_sum
 
     wait_for_idle()
     a = np.ones(mib * 2**20 // 4, np.float32)
-    _stream_sum(a)
+    stream_sum(a)
     times = []
     for _ in range(5):
         t = time.perf_counter()
-        _stream_sum(a)
+        stream_sum(a)
         times.append(time.perf_counter() - t)
     return a.nbytes / min(times)
 

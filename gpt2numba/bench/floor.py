@@ -2,7 +2,7 @@
 
 One decode step of one sequence reads every weight once (the head included, but only one row of wpe), the
 integer formats' scales, and every key and value row of the context. Read at this machine's streaming
-bandwidth (kernels._stream_sum over --bandwidth-mib, the best of five passes), those bytes take the floor's
+bandwidth (bench/stream.py over --bandwidth-mib, the best of five passes), those bytes take the floor's
 time; no kernel can step faster. The section measures the bandwidth, then, per format in --dtypes, each in its
 own worker process and in turns (A B C D A B ...), --floor-repeat runs of a prefill of --floor-context tokens
 and --floor-steps greedy decode steps after it; a run's figure is its mean step (the prefill untimed), the

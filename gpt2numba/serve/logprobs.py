@@ -16,7 +16,7 @@ import json
 import numpy as np
 
 from ..batching import SharedPrompt
-from ..forward import _forward, _logits_head, _prompt
+from ..forward import checked_prompt, forward_pass, logits_head
 from ..kvcache import ModelCache
 from ..tokenizer import Tokenizer
 from ..weights import GPT2Weights
@@ -95,7 +95,7 @@ class Logprobs:
         if len(ids) == 1 and into is None:
             return first
         mc = ModelCache(self.w.config, max_len=len(ids), dtype=self.kv_dtype)
-        logits = _logits_head(self.w)
+        logits = logits_head(self.w)
 
         def head(h: np.ndarray, chunks: int) -> list[Piece]:  # h: (T, n_embd), every position after ln_f
             if into is not None:
@@ -103,7 +103,7 @@ class Logprobs:
             return [self.rows(logits(h[r0:min(r0 + LOGPROB_ROWS, len(ids) - 1)], chunks),
                               ids[r0 + 1:r0 + 1 + LOGPROB_ROWS], k) for r0 in range(0, len(ids) - 1, LOGPROB_ROWS)]
 
-        piece = join([first, *_forward([_prompt(ids, self.w, mc, "")], self.w, [mc], head, every_row=True)])
+        piece = join([first, *forward_pass([checked_prompt(ids, self.w, mc, "")], self.w, [mc], head, every_row=True)])
         if into is not None:
             into.cache = mc
         return piece
