@@ -328,7 +328,7 @@ def _head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, n_chunks: in
     elif w.dtype == "float32":
         _head(w.wte, h, logits, n_chunks)
     else:
-        _head_compact(w.wte, None, h, logits, n_chunks)
+        _head_compact(w.wte, h, logits, n_chunks)
 
 
 def head_inputs(w: GPT2Weights, h: np.ndarray):

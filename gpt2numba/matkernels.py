@@ -17,7 +17,6 @@ from . import inttiles
 from .blas import _gemm
 from .chunks import _claimed, _span
 from .dispatch import ROW_CHUNKS, SERIAL_ROWS
-from .intkernels import _widen_group
 from .kernels import FASTMATH, _as_float32, _exp_inplace
 
 
@@ -233,14 +232,12 @@ def _reduce(partial, b, out, accumulate):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _head_compact(wte, scale, h, out, n_chunks):
-    """out = h @ W.T for a compact wte (V, C): bfloat16 bits with scale None, or int8 / packed int4
-    with scales (V, C // GROUP) and h already rounded as the integer formats' inputs are
-    (forward.py calls it for bfloat16 only; the integer formats' heads run in integers); h: (R, C);
-    out: (R, V).
+def _head_compact(wte, h, out, n_chunks):
+    """out = h @ W.T for bfloat16 bits wte (V, C); h: (R, C); out: (R, V). (The integer formats' heads
+    multiply in integers: forward._integer_matmul.)
 
-    A chunk is a span of vocabulary rows. One row of bfloat16: a dot product per vocabulary
-    row, widened in registers. Otherwise HEAD_CHUNK vocabulary rows at a time widened, then BLAS.
+    A chunk is a span of vocabulary rows. One row: a dot product per vocabulary row, widened in
+    registers. More: HEAD_CHUNK vocabulary rows at a time widened, then BLAS.
     """
     V = wte.shape[0]
     R, C = h.shape
@@ -248,7 +245,7 @@ def _head_compact(wte, scale, h, out, n_chunks):
     for _ in prange(n_chunks):
         for c in _claimed(nxt, n_chunks):
             start, end = _span(c, n_chunks, V, 1)
-            if R == 1 and scale is None:
+            if R == 1:
                 for v in range(start, end):
                     row = wte[v]
                     s = np.float32(0.0)
@@ -256,33 +253,26 @@ def _head_compact(wte, scale, h, out, n_chunks):
                         s += _widen(row[k]) * h[0, k]
                     out[0, v] = s
             else:
-                _head_widened(wte, scale, h, start, end, out)
+                _head_widened(wte, h, start, end, out)
 
 
 @njit(cache=True, nogil=True)
-def _head_widened(wte, scale, h, lo, hi, out):
-    """out[:, lo:hi] = h @ W[lo:hi].T for compact wte: HEAD_CHUNK rows at a time widened, then BLAS."""
+def _head_widened(wte, h, lo, hi, out):
+    """out[:, lo:hi] = h @ W[lo:hi].T for bfloat16 bits wte: HEAD_CHUNK rows at a time widened, then BLAS."""
     dense = np.empty((HEAD_CHUNK, h.shape[1]), np.float32)
     for c0 in range(lo, hi, HEAD_CHUNK):
         c1 = min(hi, c0 + HEAD_CHUNK)
-        _widen_rows(wte, scale, c0, c1, dense)
+        _widen_rows(wte, c0, c1, dense)
         _gemm(h, dense[: c1 - c0], out[:, c0:c1], True)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _widen_rows(wte, scale, c0, c1, dense):
-    """dense[:c1 - c0] = float32 values of wte rows c0..c1-1 (times their scales if ``scale``).
-
-    wte: float32 or bfloat16 bits (V, C), or int8 (V, C) or packed int4 (V, C // 2) with
-    scale: (V, C // GROUP), else None; dense: (>= c1 - c0, C).
-    """
+def _widen_rows(wte, c0, c1, dense):
+    """dense[:c1 - c0] = float32 values of wte rows c0..c1-1; wte: float32 or bfloat16 bits (V, C),
+    dense: (>= c1 - c0, C)."""
     for v in range(c0, c1):
-        if scale is None:
-            for c in range(wte.shape[1]):
-                dense[v - c0, c] = _widen(wte[v, c])
-        else:
-            for g in range(scale.shape[1]):
-                _widen_group(wte[v], g, scale[v, g], dense[v - c0])
+        for c in range(wte.shape[1]):
+            dense[v - c0, c] = _widen(wte[v, c])
 
 
 def _head_work(inputs):
@@ -313,7 +303,7 @@ def _head_scores_typed(wte, scale, inputs, c0, c1, work, chunk):
         return tiles
 
     def dense(wte, scale, inputs, c0, c1, work, chunk):
-        _widen_rows(wte, scale, c0, c1, work)
+        _widen_rows(wte, c0, c1, work)
         _gemm(inputs, work[: c1 - c0], chunk, True)
     return dense
 
@@ -322,10 +312,10 @@ def _head_scores_typed(wte, scale, inputs, c0, c1, work, chunk):
 def _head_log_softmax(wte, scale, inputs, targets, logprob, best, n_chunks):
     """log softmax(h @ W.T) at each row's target, and each row's argmax, with no (R, V) array.
 
-    wte, scale: as _widen_rows takes them; inputs: h (R, C), or for the integer formats h
-    quantised for the tiles, (xw, xs) (inttiles.laid_out); targets: int64 (R,), ids in [0, V)
-    or -1 for a row with none (its logprob is nan); logprob: float64 (R,); best: int64 (R,),
-    the lowest id of the largest logit.
+    wte: float32 or bfloat16 bits (V, C), or int8 / packed int4 with scale (V, C // GROUP); inputs:
+    h (R, C), or for the integer formats h quantised for the tiles, (xw, xs) (inttiles.laid_out);
+    targets: int64 (R,), ids in [0, V) or -1 for a row with none (its logprob is nan); logprob:
+    float64 (R,); best: int64 (R,), the lowest id of the largest logit.
     A chunk is a span of the vocabulary, taken HEAD_CHUNK rows at a time (_head_scores:
     one product for every row); per chunk and row it keeps a running max, the sum of
     exp(logit - max) and the argmax, and the chunks are merged at the end: memory is
