@@ -335,7 +335,7 @@ def test_serve_chunked_script(tmp_path):
     pytest.importorskip("httpx", reason="the load generator needs httpx (the [serve] extra)")
     write_dir(g.random_weights(dataclasses.replace(TINY_GPT2, n_positions=512), seed=0), tmp_path / "ckpt")
     out = tmp_path / "chunked.json"
-    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "serve_chunked.py"), "--model", str(tmp_path / "ckpt"),
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "studies" / "serve_chunked.py"), "--model", str(tmp_path / "ckpt"),
                         "--step-tokens", "8", "0", "--streams", "2", "--prompt-tokens", "8", "--long-tokens", "60",
                         "--settle", "4", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -351,7 +351,7 @@ def test_serve_prefix_script(tmp_path):
     pytest.importorskip("httpx", reason="the load generator needs httpx (the [serve] extra)")
     write_dir(g.random_weights(dataclasses.replace(TINY_GPT2, n_positions=128), seed=0), tmp_path / "ckpt")
     out = tmp_path / "prefix.json"
-    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "serve_prefix.py"), "--model", str(tmp_path / "ckpt"),
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "studies" / "serve_prefix.py"), "--model", str(tmp_path / "ckpt"),
                         "--requests", "6", "--clients", "2", "--prefix-tokens", "40", "--ending-tokens", "4",
                         "--max-tokens", "2", "--cache-mb", "1", "--n", "3", "--n-prompt-tokens", "20",
                         "--n-max-tokens", "2", "--n-repeat", "1", "--json", str(out)], capture_output=True, text=True,
@@ -370,7 +370,7 @@ def test_shared_prefix_script(tmp_path):
     pytest.importorskip("lm_eval", reason="the script runs lm-eval (the [eval] extra)")
     write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")
     out = tmp_path / "shared.json"
-    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "shared_prefix.py"), "--model", str(tmp_path / "ckpt"),
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "studies" / "shared_prefix.py"), "--model", str(tmp_path / "ckpt"),
                         "--docs", "3", "--context", "20", "30", "--endings", "3", "6", "--threads", "1",
                         "--score-batch", "--json", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr
@@ -381,11 +381,11 @@ def test_shared_prefix_script(tmp_path):
 
 
 def test_kv_dtype_script(tmp_path):
-    """profiling/kv_dtype.py on a tiny int4 model: a decode time per cache dtype, float16 and bfloat16 caches
+    """profiling/studies/kv_dtype.py on a tiny int4 model: a decode time per cache dtype, float16 and bfloat16 caches
     in half float32's bytes, their logits near float32's."""
     write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
     out = tmp_path / "kv.json"
-    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "kv_dtype.py"), "--model", str(tmp_path / "ckpt"),
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "studies" / "kv_dtype.py"), "--model", str(tmp_path / "ckpt"),
                         "--context", "40", "--steps", "2", "--repeat", "2", "--caches", "4", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -399,11 +399,11 @@ def test_kv_dtype_script(tmp_path):
 
 
 def test_beam_search_script(tmp_path):
-    """profiling/beam_search.py on a tiny model: both workloads timed, copy_prefix's calls counted (4 beams
+    """profiling/studies/beam_search.py on a tiny model: both workloads timed, copy_prefix's calls counted (4 beams
     diverge, so some beams take another's rows), the caches' bytes those of prompts x beams caches."""
     write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
     out = tmp_path / "beam.json"
-    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "beam_search.py"), "--model", str(tmp_path / "ckpt"),
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "studies" / "beam_search.py"), "--model", str(tmp_path / "ckpt"),
                         "--prompts", "2", "--prompt", "5", "--tokens", "6", "--beams", "4", "--repeat", "2",
                         "--idle-patience", "0", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -419,7 +419,7 @@ def test_inspect_vs_score_script(tmp_path):
     pytest.importorskip("httpx", reason="the script's client needs httpx (the [serve] extra)")
     write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")
     out = tmp_path / "inspect.json"
-    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "inspect_vs_score.py"), "--model", str(tmp_path / "ckpt"),
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "studies" / "inspect_vs_score.py"), "--model", str(tmp_path / "ckpt"),
                         "--tokens", "40", "--repeat", "2", "--threads", "1", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -437,7 +437,7 @@ def test_page_paint_script(tmp_path):
     pytest.importorskip("selenium", reason="the script drives Chromium with selenium (the test extra)")
     write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")
     out = tmp_path / "paint.json"
-    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "page_paint.py"), "--model", str(tmp_path / "ckpt"),
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "studies" / "page_paint.py"), "--model", str(tmp_path / "ckpt"),
                         "--tokens", "50", "--repeat", "2", "--json", str(out)], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr

@@ -1,6 +1,6 @@
 """Chunked prefill in gpt2numba serve: the pace of running streams while a long prompt is prefilled.
 
-    python profiling/serve_chunked.py [--model DIR] [--step-tokens 16 32 64 128 0] [--json chunked.json]
+    python profiling/studies/serve_chunked.py [--model DIR] [--step-tokens 16 32 64 128 0] [--json chunked.json]
 
 For each --max-step-tokens value (0: the whole prompt in one step, as without chunking) it starts
 `gpt2numba serve` on seeded random GPT-2 small (or --model), starts --streams streamed requests of
@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from gpt2numba.config import GPT2Config
-from serve_load import _free_port, _random_small, _wait
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # profiling/, for serve_load
+from serve_load import _free_port, _random_small, _wait  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """The playground's drawing of a long inspection in headless Chromium (issue 42's target: first paint under 1 s).
 
-    python profiling/page_paint.py [--model DIR] [--tokens 1000] [--repeat 5] [--json out.json]
+    python profiling/studies/page_paint.py [--model DIR] [--tokens 1000] [--repeat 5] [--json out.json]
 
 Starts `gpt2numba serve` on seeded random GPT-2 small (or --model), opens its page in Debian's headless Chromium
 (Selenium, /usr/bin/chromedriver), has the page fetch POST /v1/inspect for a text of --tokens tokens, and then
@@ -20,7 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from serve_load import _free_port, _random_small, _wait
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # profiling/, for serve_load
+from serve_load import _free_port, _random_small, _wait  # noqa: E402
 
 DRAW = """
 const [text, done] = [arguments[0], arguments[arguments.length - 1]];

@@ -1,6 +1,6 @@
 """A multiple-choice lm-eval task with and without prefix sharing: the time, and the numbers per sample.
 
-    python profiling/shared_prefix.py [--docs 100] [--context 150 250] [--endings 5 20] [--choices 4]
+    python profiling/studies/shared_prefix.py [--docs 100] [--context 150 250] [--endings 5 20] [--choices 4]
                                       [--threads 2] [--model DIR] [--score-batch] [--json out.json]
 
 Writes a local task (seeded random words: a context of --context tokens and --choices endings of

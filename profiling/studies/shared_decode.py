@@ -1,6 +1,6 @@
 """Decoding over a history read in place (a fork) beside the same history held in the cache's own arrays.
 
-    python profiling/shared_decode.py [--contexts 128 900] [--batch 8 32] [--steps 32] [--repeat 5]
+    python profiling/studies/shared_decode.py [--contexts 128 900] [--batch 8 32] [--steps 32] [--repeat 5]
                                       [--dtype float32] [--kv-dtype float32] [--threads N] [--json out.json]
 
 Seeded random GPT-2 small. For each --contexts C: decode_step on a cache that prefilled C tokens itself

@@ -1,6 +1,6 @@
 """Beam search's time, its copying of cache rows and its memory, beside greedy generation of as many rows.
 
-    python profiling/beam_search.py [--prompts 8] [--prompt 128] [--tokens 64] [--beams 4] [--repeat 3]
+    python profiling/studies/beam_search.py [--prompts 8] [--prompt 128] [--tokens 64] [--beams 4] [--repeat 3]
                                     [--dtype float32] [--threads N] [--idle-patience 120] [--json out.json]
 
 Seeded random GPT-2 small (or --model), seeded prompts of --prompt ids. Alternating, --repeat times each:

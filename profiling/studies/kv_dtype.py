@@ -1,6 +1,6 @@
 """Decode at one context with each cache dtype, and the memory of many caches (issue 19, "Half the cache memory").
 
-    python profiling/kv_dtype.py [--model DIR] [--dtype int4] [--context 900] [--steps 20] [--repeat 7]
+    python profiling/studies/kv_dtype.py [--model DIR] [--dtype int4] [--context 900] [--steps 20] [--repeat 7]
                                  [--kv-dtypes float32 float16 bfloat16] [--caches 64] [--cache-len 1024]
                                  [--threads N] [--json out.json]
 

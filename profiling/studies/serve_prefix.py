@@ -1,6 +1,6 @@
 """The prefix cache in gpt2numba serve: requests that share a long beginning, with the cache on and off.
 
-    python profiling/serve_prefix.py [--model DIR] [--requests 200] [--json prefix.json]
+    python profiling/studies/serve_prefix.py [--model DIR] [--requests 200] [--json prefix.json]
 
 Starts `gpt2numba serve` on seeded random GPT-2 small (or --model) twice, with --prefix-cache-mb 0 and
 with --cache-mb, and sends each the same --requests requests from --clients clients at once: a
@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from serve_load import _free_port, _random_small, _wait
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # profiling/, for serve_load
+from serve_load import _free_port, _random_small, _wait  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """POST /v1/inspect against score() in-process on the same text of --tokens tokens (issue 42's target: within 1.5x).
 
-    python profiling/inspect_vs_score.py [--model DIR] [--tokens 1000] [--repeat 5] [--threads 2] [--json out.json]
+    python profiling/studies/inspect_vs_score.py [--model DIR] [--tokens 1000] [--repeat 5] [--threads 2] [--json out.json]
 
 Starts `gpt2numba serve` on seeded random GPT-2 small (or --model) and times, in turn, --repeat times each:
 /v1/inspect of the text with the default 5 alternatives and with 20 (the whole request, as a client sees it:
@@ -21,9 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from serve_load import _free_port, _random_small, _wait
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # profiling/, for serve_load
+from serve_load import _free_port, _random_small, _wait  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv=None) -> int:
