@@ -43,7 +43,7 @@ from .matkernels import (
     _linear_rows,
 )
 from .kvcache import ModelCache
-from .models import default_weights  # where weights come from; re-exported here as before
+from .models import default_weights  # where weights come from; the package names it from here
 from .weights import GPT2Weights
 
 

@@ -12,7 +12,9 @@ region on threads this module starts:
   describe() says which, and any pinning the OS refused.
 - When the threads cover every CPU the process may use, each is pinned to its own CPU (the
   caller only during a forward pass, and only while no other Python thread runs one:
-  ``pinned()``). Then a neighbour shares one CPU with one thread.
+  ``pinned()``). Then a neighbour shares one CPU with one thread. A process first claims
+  those CPUs (_claim): a second gpt2numba process on the same CPUs, or a forked child,
+  finds them claimed and runs unpinned, instead of stacking its threads on the first's.
 - A forked child starts its threads at its first region, not in the fork handler.
 
 The hook's call is Numba's private ABI, copied: install() checks it at run time. It keeps
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import fcntl
 import math
 import os
 import platform
@@ -244,6 +247,11 @@ def _start() -> None:
     if max(cpus, default=0) >= 64 * _masks.shape[1]:  # a CPU the masks cannot hold (not the machine's at import)
         _cpus[:], pin = [], False
         _pin_failures.append(f"CPU {max(cpus)} is past the {64 * _masks.shape[1]} the masks hold")
+    if pin:
+        refused = _claim(cpus)
+        if refused:
+            _cpus[:], pin = [], False
+            _unpinned[:] = [refused]
     _state[MASK_WORDS] = _masks.shape[1]
     for k, cpu in enumerate(_cpus):
         _masks[k, cpu // 64] = np.uint64(1) << np.uint64(cpu % 64)
@@ -272,14 +280,67 @@ def _start() -> None:
     _state[NWORK] = n - 1
 
 
+CLAIM_DIR = "/dev/shm"  # where the claims on CPUs live, unless $GPT2NUMBA_CLAIM_DIR says otherwise
+_claims: list[int] = []  # descriptors of this process's claim files, one per CPU its threads are pinned to
+_unpinned: list[str] = []  # why threads that cover every CPU are not pinned (another process's claim)
+
+
+def _claim(cpus) -> str | None:
+    """Claim ``cpus`` for this process's pinned threads; None once claimed, else why not.
+
+    A claim is an exclusive flock on one file per CPU (``gpt2numba-cpu<N>.claim`` under
+    $GPT2NUMBA_CLAIM_DIR, default /dev/shm, holding the claimant's pid), kept while the process
+    lives: the OS lets go when it ends, however it ends. A CPU claimed by another process means
+    two pools pinned to the same CPUs, each thread sharing its CPU with the other's. Claims
+    are off with $GPT2NUMBA_CLAIM_DIR=off, or where no claim file can be opened (pinned then,
+    as without claims).
+    """
+    where = os.environ.get("GPT2NUMBA_CLAIM_DIR", "").strip() or CLAIM_DIR
+    if where == "off":
+        return None
+    taken = []
+    for cpu in cpus:
+        path = os.path.join(where, f"gpt2numba-cpu{cpu}.claim")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError:
+            try:  # another user's file: it can still be locked
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                _release(taken)
+                return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            _release(taken)
+            return f"CPU {cpu} is claimed by gpt2numba process {holder}"
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError:  # read-only: the claim holds, without a pid to tell
+            pass
+        taken.append(fd)
+    _claims[:] = taken
+    return None
+
+
+def _release(fds) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 def _stop() -> None:
-    """Let the threads return (before the interpreter frees what they read)."""
+    """Let the threads return (before the interpreter frees what they read), and the claims go."""
     _state[NWORK] = 0
     _state[GEN] = -2
     _futex_wake(GEN)
     for t in _threads:
         t.join(timeout=1.0)
     _threads.clear()
+    _release(_claims)
+    _claims.clear()
 
 
 def _after_fork() -> None:
@@ -298,6 +359,9 @@ def _after_fork() -> None:
     _state[START] = start
     _state[LAZY] = 1
     _pin_failures.clear()
+    _release(_claims)  # the parent's claims stay the parent's: this child's start finds them taken
+    _claims.clear()
+    _unpinned.clear()
 
 
 @ctypes.CFUNCTYPE(None)
@@ -321,6 +385,7 @@ def describe() -> str:
     if _sized:
         out += f" ({_sized[0]})"
     out += ", pinned one to a CPU" if _cpus else ""
+    out += f", not pinned: {_unpinned[0]}" if _unpinned else ""
     failed = _pin_failures + ([f"{_state[PIN_FAILS]} in the pool's threads"] if _state[PIN_FAILS] else [])
     if failed:
         out += f"; pinning failed: {'; '.join(failed)}"

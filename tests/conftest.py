@@ -15,8 +15,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-import gpt2numba as g
-import warm_kernels
+# Claims on CPUs off (pool._claim): in the suite, pytest-xdist's workers and the subprocesses the tests
+# start would each find the first one's claim and run unpinned; tests that claim set a directory of their own.
+os.environ.setdefault("GPT2NUMBA_CLAIM_DIR", "off")
+
+import gpt2numba as g  # noqa: E402
+import warm_kernels  # noqa: E402
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("ci", max_examples=12, **_common)

@@ -357,3 +357,53 @@ sys.exit(main(["check", "--model", {str(tmp_path)!r}, "--prompts", "1", "--promp
     out = _run(script, {"NUMBA_NUM_THREADS": "2"}).stdout
     assert "parallel regions: gpt2numba's pool of 2 threads" in out, out
     assert "pinning failed: thread 1 to CPU 1500" in out, out
+
+
+_CLAIMANT = """
+import sys
+from gpt2numba import pool
+print(pool.describe(), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.skipif(not pool._cpus, reason="the pool pins its threads only when they cover every CPU")
+def test_a_second_process_on_claimed_cpus_runs_unpinned_and_says_why(tmp_path):
+    """The first of two gpt2numba processes on the same CPUs pins its threads; the second, and a child
+    the first forks, find the CPUs claimed and run unpinned; once the first has ended, the next pins."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "GPT2NUMBA_CLAIM_DIR": str(tmp_path)}
+    first = subprocess.Popen([sys.executable, "-c", _CLAIMANT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, cwd=ROOT, env=env)
+    try:
+        assert "pinned one to a CPU" in first.stdout.readline()
+        claimed = f"not pinned: CPU {pool._cpus[0]} is claimed by gpt2numba process {first.pid}"
+        second = _run("from gpt2numba import pool; print(pool.describe(), pool._cpus)", env)
+        assert claimed in second.stdout and second.stdout.strip().endswith("[]"), second.stdout
+    finally:
+        first.communicate("\n", timeout=300)
+    forked = _run(_FORKED_CLAIM, env).stdout.splitlines()
+    assert forked[0].endswith("pinned one to a CPU"), forked
+    assert f"claimed by gpt2numba process {forked[2]}" in forked[1], forked
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"gpt2numba-cpu{c}.claim" for c in pool._cpus)
+
+
+# the parent pins; its forked child's first region starts threads that find the parent's claim
+_FORKED_CLAIM = """
+import os, sys, warnings
+import numpy as np
+sys.path.insert(0, "tests")
+import gpt2numba as g
+from gpt2numba import pool
+from conftest import TINY
+
+w = g.random_weights(TINY, seed=2)
+print(pool.describe(), flush=True)
+warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+pid = os.fork()
+if pid == 0:
+    g.prefill(np.arange(40) * 3 % 512, w, g.ModelCache(TINY))
+    print(pool.describe(), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+print(os.getpid(), flush=True)
+"""
