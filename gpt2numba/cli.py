@@ -335,8 +335,6 @@ def _check(args) -> int:
         return 2
     print("(the first prefill and decode include Numba's compilation, or loading it from its cache;\n"
           " the engine is timed first, the float64 oracle checks every logit afterwards)")
-    from . import pool
-    print(f"parallel regions: {pool.describe()}")  # the threads, their pinning and what failed of it
     rng = np.random.default_rng(args.seed)
     prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, args.prompt_len)] for _ in range(args.prompts)]
     max_len = args.prompt_len + args.decode
@@ -352,6 +350,8 @@ def _check(args) -> int:
             steps.append(decode_step(ids[-1], w, mc))
             decode_s.append(time.perf_counter() - t)
         runs.append((ids, steps, prefill_s, decode_s))
+    from . import pool
+    print(f"parallel regions: {pool.describe()}")  # the threads, their pinning (settled by now), what failed of it
     # the same prompts again as one batch: one prefill_batch, then decode_batch steps
     caches = [ModelCache(cfg, max_len=max_len, dtype=args.kv_dtype) for _ in prompts]
     t = time.perf_counter()

@@ -12,9 +12,10 @@ region on threads this module starts:
   describe() says which, and any pinning the OS refused.
 - When the threads cover every CPU the process may use, each is pinned to its own CPU (the
   caller only during a forward pass, and only while no other Python thread runs one:
-  ``pinned()``). Then a neighbour shares one CPU with one thread. A process first claims
-  those CPUs (_claim): a second gpt2numba process on the same CPUs, or a forked child,
-  finds them claimed and runs unpinned, instead of stacking its threads on the first's.
+  ``pinned()``). Then a neighbour shares one CPU with one thread. The threads are pinned at
+  the process's first forward pass, once its claim on those CPUs holds (_settle, _claim): a
+  second gpt2numba process on the same CPUs, or a forked child, finds them claimed and runs
+  unpinned, instead of stacking its threads on the first's.
 - A forked child starts its threads at its first region, not in the fork handler.
 
 The hook's call is Numba's private ABI, copied: install() checks it at run time. It keeps
@@ -237,7 +238,9 @@ _sized: list[str] = []  # why the pool has the threads it has
 _pin_failures: list[str] = []  # pinnings refused by the OS, from Python (the threads' own: PIN_FAILS)
 
 
-def _start() -> None:
+def _start(settle: bool = False) -> None:
+    """Start the pool's threads, unpinned; when they cover every CPU, they are pinned at the process's first
+    forward pass (_settle; at once with ``settle``), once its claim on those CPUs holds."""
     cpus = sorted(os.sched_getaffinity(0))
     n, why = size(cpus, cpu_quota()[0])
     _sized[:] = [why]
@@ -247,11 +250,6 @@ def _start() -> None:
     if max(cpus, default=0) >= 64 * _masks.shape[1]:  # a CPU the masks cannot hold (not the machine's at import)
         _cpus[:], pin = [], False
         _pin_failures.append(f"CPU {max(cpus)} is past the {64 * _masks.shape[1]} the masks hold")
-    if pin:
-        refused = _claim(cpus)
-        if refused:
-            _cpus[:], pin = [], False
-            _unpinned[:] = [refused]
     _state[MASK_WORDS] = _masks.shape[1]
     for k, cpu in enumerate(_cpus):
         _masks[k, cpu // 64] = np.uint64(1) << np.uint64(cpu % 64)
@@ -262,11 +260,6 @@ def _start() -> None:
 
         def body(k=k, ready=ready):
             _state[TIDS + 8 * k] = threading.get_native_id()
-            if pin:
-                try:
-                    os.sched_setaffinity(0, {cpus[k]})
-                except OSError as e:
-                    _pin_failures.append(f"thread {k} to CPU {cpus[k]}: {e.strerror or e}")
             ready.set()
             run(k)  # ctypes lets the GIL go for the thread's whole life
 
@@ -276,13 +269,34 @@ def _start() -> None:
     for t, ready in started:
         ready.wait()
         _threads.append(t)
-    _state[PIN] = int(pin)
     _state[NWORK] = n - 1
+    _unsettled[:] = [True] if pin else []
+    if settle:
+        _settle()
+
+
+def _settle() -> None:
+    """Claim the CPUs and pin the pool's threads to them, or, another process's claim found, leave them
+    unpinned: at the first forward pass, so that a process that never runs one (a benchmark's parent, a
+    Ray driver) leaves the CPUs to its workers."""
+    _unsettled.clear()
+    refused = _claim(_cpus)
+    if refused:
+        _cpus.clear()
+        _unpinned[:] = [refused]
+        return
+    for k in range(1, int(_state[NWORK]) + 1):
+        try:
+            os.sched_setaffinity(int(_state[TIDS + 8 * k]), {_cpus[k]})
+        except OSError as e:
+            _pin_failures.append(f"thread {k} to CPU {_cpus[k]}: {e.strerror or e}")
+    _state[PIN] = 1
 
 
 CLAIM_DIR = "/dev/shm"  # where the claims on CPUs live, unless $GPT2NUMBA_CLAIM_DIR says otherwise
 _claims: list[int] = []  # descriptors of this process's claim files, one per CPU its threads are pinned to
 _unpinned: list[str] = []  # why threads that cover every CPU are not pinned (another process's claim)
+_unsettled: list[bool] = []  # [True] while the threads wait for the first forward pass to be pinned
 
 
 def _claim(cpus) -> str | None:
@@ -362,14 +376,15 @@ def _after_fork() -> None:
     _release(_claims)  # the parent's claims stay the parent's: this child's start finds them taken
     _claims.clear()
     _unpinned.clear()
+    _unsettled.clear()
 
 
 @ctypes.CFUNCTYPE(None)
 def _start_in_region() -> None:
     """_start, called from the first parallel region after a fork (ctypes takes the GIL, which the region
-    has let go)."""
+    has let go); the threads are settled at once (the child's first region is most likely its first pass's)."""
     try:
-        _start()
+        _start(settle=True)
     except Exception as e:  # the region runs on its caller alone, as before a start
         warnings.warn(f"gpt2numba's pool could not start its threads after a fork ({e!r}); parallel "
                       f"regions run on their caller alone", RuntimeWarning, stacklevel=1)
@@ -384,7 +399,8 @@ def describe() -> str:
     out = f"gpt2numba's pool of {n} thread{'s' * (n > 1)}"
     if _sized:
         out += f" ({_sized[0]})"
-    out += ", pinned one to a CPU" if _cpus else ""
+    if _cpus:
+        out += ", to be pinned one to a CPU at the first forward pass" if _unsettled else ", pinned one to a CPU"
     out += f", not pinned: {_unpinned[0]}" if _unpinned else ""
     failed = _pin_failures + ([f"{_state[PIN_FAILS]} in the pool's threads"] if _state[PIN_FAILS] else [])
     if failed:
@@ -408,6 +424,8 @@ class pinned:
     def __enter__(self):
         me = threading.get_native_id()
         with _passes_lock:
+            if _unsettled:
+                _settle()
             _passes[me] = _passes.get(me, 0) + 1
             if len(_passes) > 1:
                 _unpin_holder()

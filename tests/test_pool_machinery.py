@@ -361,7 +361,13 @@ sys.exit(main(["check", "--model", {str(tmp_path)!r}, "--prompts", "1", "--promp
 
 _CLAIMANT = """
 import sys
+import numpy as np
+sys.path.insert(0, "tests")
+import gpt2numba as g
 from gpt2numba import pool
+from conftest import TINY
+print(pool.describe(), flush=True)
+g.prefill(np.arange(40) * 3 % 512, g.random_weights(TINY, seed=2), g.ModelCache(TINY))
 print(pool.describe(), flush=True)
 sys.stdin.readline()
 """
@@ -369,15 +375,17 @@ sys.stdin.readline()
 
 @pytest.mark.skipif(not pool._cpus, reason="the pool pins its threads only when they cover every CPU")
 def test_a_second_process_on_claimed_cpus_runs_unpinned_and_says_why(tmp_path):
-    """The first of two gpt2numba processes on the same CPUs pins its threads; the second, and a child
-    the first forks, find the CPUs claimed and run unpinned; once the first has ended, the next pins."""
+    """The first of two gpt2numba processes on the same CPUs pins its threads at its first forward pass;
+    the second, and a child the first forks, find the CPUs claimed and run unpinned; a process that runs
+    no pass claims nothing; once the first has ended, the next pins."""
     env = {**os.environ, "PYTHONPATH": ROOT, "GPT2NUMBA_CLAIM_DIR": str(tmp_path)}
     first = subprocess.Popen([sys.executable, "-c", _CLAIMANT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True, cwd=ROOT, env=env)
     try:
-        assert "pinned one to a CPU" in first.stdout.readline()
+        assert "to be pinned one to a CPU at the first forward pass" in first.stdout.readline()
+        assert first.stdout.readline().strip().endswith("pinned one to a CPU")
         claimed = f"not pinned: CPU {pool._cpus[0]} is claimed by gpt2numba process {first.pid}"
-        second = _run("from gpt2numba import pool; print(pool.describe(), pool._cpus)", env)
+        second = _run(_SECOND, env)
         assert claimed in second.stdout and second.stdout.strip().endswith("[]"), second.stdout
     finally:
         first.communicate("\n", timeout=300)
@@ -385,7 +393,17 @@ def test_a_second_process_on_claimed_cpus_runs_unpinned_and_says_why(tmp_path):
     assert forked[0].endswith("pinned one to a CPU"), forked
     assert f"claimed by gpt2numba process {forked[2]}" in forked[1], forked
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"gpt2numba-cpu{c}.claim" for c in pool._cpus)
+    idle = tmp_path / "idle"
+    idle.mkdir()
+    _run("import gpt2numba", {**env, "GPT2NUMBA_CLAIM_DIR": str(idle)})
+    assert not any(idle.iterdir()), "a process that ran no forward pass claimed CPUs"
 
+
+_SECOND = """
+from gpt2numba import pool
+with pool.pinned():  # a forward pass's entry
+    print(pool.describe(), pool._cpus)
+"""
 
 # the parent pins; its forked child's first region starts threads that find the parent's claim
 _FORKED_CLAIM = """
@@ -397,6 +415,7 @@ from gpt2numba import pool
 from conftest import TINY
 
 w = g.random_weights(TINY, seed=2)
+g.prefill(np.arange(40) * 3 % 512, w, g.ModelCache(TINY))
 print(pool.describe(), flush=True)
 warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
 pid = os.fork()

@@ -207,7 +207,15 @@ def decode_steps(system, job):
     return sum(seconds) / steps
 
 
-SHARED = {"decode_run": decode_run, "decode_steps": decode_steps}  # every system's, through its prefill and decode
+def threads_run_on(system, arg) -> str:
+    """Where the worker's parallel regions run (pool.describe()), after the passes it ran."""
+    from .. import pool
+
+    return pool.describe()
+
+
+SHARED = {"decode_run": decode_run, "decode_steps": decode_steps,  # every system's, through its prefill and decode
+          "threads_run_on": threads_run_on}
 RUN = 8  # decode steps a system runs back to back, as a generation loop does, before the next one's turn
 
 
