@@ -124,11 +124,13 @@ def run_prefill(prompt_ids) -> np.ndarray:
 
 
 def set_threads(n: int) -> None:
-    """Use ``n`` threads (1 to the number Numba started with, by default the cores)."""
+    """Use ``n`` threads (1 to the number Numba started with, by default the cores); above the pool's size
+    (a cgroup quota's, $GPT2NUMBA_THREADS'), the pool grows to n."""
     top = numba.config.NUMBA_NUM_THREADS
     if not checks.is_integer(n) or not 1 <= n <= top:
         raise ConfigError(f"threads must be an integer in [1, {top}], got {n!r}")
     numba.set_num_threads(int(n))
+    pool.grow(int(n))
 
 
 def get_threads() -> int:

@@ -253,9 +253,18 @@ def _start(settle: bool = False) -> None:
     _state[MASK_WORDS] = _masks.shape[1]
     for k, cpu in enumerate(_cpus):
         _masks[k, cpu // 64] = np.uint64(1) << np.uint64(cpu % 64)
+    _spawn(range(1, n))
+    _state[NWORK] = n - 1
+    _unsettled[:] = [True] if pin else []
+    if settle:
+        _settle()
+
+
+def _spawn(ks) -> None:
+    """Start pool threads ``ks`` (each records its native id first)."""
     run = ctypes.CFUNCTYPE(None, ctypes.c_int64)(_worker.address)
     started = []
-    for k in range(1, n):
+    for k in ks:
         ready = threading.Event()
 
         def body(k=k, ready=ready):
@@ -269,10 +278,22 @@ def _start(settle: bool = False) -> None:
     for t, ready in started:
         ready.wait()
         _threads.append(t)
+
+
+def grow(n: int) -> None:
+    """At least ``n`` threads, the caller among them: set_threads above the pool's size (a cgroup quota's,
+    $GPT2NUMBA_THREADS') starts the rest. They run on any CPU of the process (their mask, where a rescue
+    would pin them back, is all of them): the pool's size was what the process may keep busy, and the user
+    asked for more."""
+    have, n = int(_state[NWORK]) + 1, min(n, MAX_THREADS - 1)
+    if not enabled() or _state[LAZY] or n <= have:  # (LAZY: a forked child sizes its pool at its first region)
+        return
+    for k in range(have, n):
+        for cpu in os.sched_getaffinity(0):
+            _masks[k, cpu // 64] |= np.uint64(1) << np.uint64(cpu % 64)
+    _spawn(range(have, n))
     _state[NWORK] = n - 1
-    _unsettled[:] = [True] if pin else []
-    if settle:
-        _settle()
+    _sized[:] = [f"{_sized[0]}, grown to {n} by set_threads"]
 
 
 def _settle() -> None:

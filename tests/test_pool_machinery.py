@@ -328,6 +328,29 @@ def test_a_quota_of_one_cpu_gives_a_pool_of_one_thread_unless_gpt2numba_threads_
     assert threads.split()[0] == "2" and "$GPT2NUMBA_THREADS" in described
 
 
+def test_set_threads_above_the_pools_size_grows_it():
+    """A pool of one thread ($GPT2NUMBA_THREADS=1): set_threads(2) starts a second, regions are shared
+    out to two threads, describe() says why, and the logits are the same bits."""
+    script = """
+import hashlib, sys
+import numpy as np
+sys.path.insert(0, "tests")
+import gpt2numba as g
+from gpt2numba import pool, regions
+from conftest import TINY
+before = len(pool._threads) + 1
+g.set_threads(2)
+logits = g.prefill(np.arange(40) * 3 % 512, g.random_weights(TINY, seed=2), g.ModelCache(TINY))
+print(before, len(pool._threads) + 1, regions._state[regions.NTHREADS])  # the last region's threads
+print(pool.describe())
+print(hashlib.sha256(logits.tobytes()).hexdigest())
+"""
+    sizes, described, digest = _run(script, {"GPT2NUMBA_THREADS": "1"}).stdout.splitlines()
+    assert sizes == "1 2 2", sizes
+    assert "grown to 2 by set_threads" in described, described
+    assert digest == _digest_fresh()
+
+
 def test_a_cpu_id_past_1024_and_a_refused_pinning_are_told_not_fatal():
     """A process that may run on CPUs 0 and 1500 (simulated: the affinity the pool reads): the masks
     hold CPU 1500, pinning a thread there fails (no such CPU here), describe() says so, same logits."""
