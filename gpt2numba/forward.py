@@ -20,28 +20,14 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
-import weakref
 
 import numba
 import numpy as np
 
 from . import checks, compact, dispatch, kvcache, pool
-from .config import GPT2Config
-from .dispatch import BF16_ROWS_MAX, HEAD_ROWS_MAX, INT4_ROWS_MAX, INT_ROWS_MAX, ROWS_MAX
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
-from . import inttiles
-from .intkernels import _int_matmul
-from .kernels import _attend, _attention_plan, _gelu, _layernorm, _write_kv, attend_width
-from .matkernels import (
-    _expand_bf16,
-    _gemv_bf16,
-    _head,
-    _head_compact,
-    _head_rows,
-    _linear,
-    _linear_rows,
-)
+from .kernels import _attend, _attention_plan, _gelu, _layernorm, _write_kv
+from .products import head_logits, matmul, one_blas_thread, workspace
 from .kvcache import ModelCache
 from .models import default_weights  # where weights come from; the package names it from here
 from .weights import GPT2Weights
@@ -231,7 +217,7 @@ def forward_pass(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache
     N = int(row0[-1])
     threads = numba.get_num_threads()
     n_chunks = dispatch.n_chunks(threads)  # of every parallel kernel's work, claimed as threads are free
-    work = _workspace(w, N, threads)
+    work = workspace(w, N, threads)
     x, h, qkv, a, f = work.x[:N], work.h[:N], work.qkv[:N], work.a[:N], work.f[:N]
     x[...] = _embed(np.concatenate(seqs), np.repeat(pos0 - row0[:-1], counts) + np.arange(N), w)
     ks, vs, runs, run0 = kvcache.stores(caches)
@@ -239,8 +225,8 @@ def forward_pass(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache
     written = np.repeat(pos0[:, None], cfg.n_layer, axis=1)  # (B, n_layer) positions each layer holds
     tiles, bounds = _attention_plan(row0, pos0, cfg.n_head, n_chunks)
     eps = cfg.layer_norm_epsilon
-    linear = functools.partial(_matmul, w=w, work=work, n_chunks=n_chunks)
-    with pool.pinned(), _one_blas_thread():
+    linear = functools.partial(matmul, w=w, work=work, n_chunks=n_chunks)
+    with pool.pinned(), one_blas_thread():
         for layer in range(cfg.n_layer):
             _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
             linear(h, "c_attn_w", layer, w.c_attn_b[layer], out=qkv, accumulate=False)
@@ -270,40 +256,6 @@ def _embed(ids: np.ndarray, positions: np.ndarray, w: GPT2Weights) -> np.ndarray
     return rows + w.wpe[positions]
 
 
-def _matmul(x, field, layer, b, out, accumulate, w, work, n_chunks):
-    """out (+)= x @ (layer's matrix ``field``) + b, whatever the matrix's storage."""
-    T, K = x.shape
-    matrix = getattr(w, field)[layer]
-    if w.scales:
-        _integer_matmul(x, matrix, w.scales[field][layer], b, out, accumulate, work, n_chunks)
-        return
-    scratch = work.scratch(T, n_chunks)
-    split_k, blas_chunks = dispatch.split_k(T), dispatch.blas_chunks(T, n_chunks)
-    if 2 <= T <= (ROWS_MAX if w.dtype == "float32" else BF16_ROWS_MAX) and K % 8 == 0:  # few rows: as stored
-        _linear_rows(x, matrix, b, scratch, out, accumulate, n_chunks)
-    elif w.dtype == "float32":
-        _linear(x, matrix, b, scratch, out, accumulate, blas_chunks, split_k)
-    elif T == 1:  # one row reads the bfloat16 matrix itself
-        _gemv_bf16(x, matrix, b, scratch, out, accumulate, n_chunks)
-    else:  # many rows: widen the matrix once, then multiply as float32
-        dense = work.dense(matrix.shape)
-        _expand_bf16(matrix, dense)
-        _linear(x, dense, b, scratch, out, accumulate, blas_chunks, split_k)
-
-
-def _integer_matmul(x, q, scale, b, out, accumulate, work, n_chunks):
-    """out (+)= x @ W.T (+ b) for an int8 or int4 matrix W [out, in], its input rounded to int8 per group.
-
-    W is read as stored, in integers: a few rows one dot product at a time (_int_matmul; up
-    to INT_ROWS_MAX, INT4_ROWS_MAX for int4), more in tiles of rows and outputs (inttiles).
-    """
-    T, K = x.shape
-    if T <= (INT4_ROWS_MAX if q.dtype == np.uint8 else INT_ROWS_MAX):
-        _int_matmul(x, *work.quantized(T, K), q, scale, b, out, accumulate, n_chunks)
-    else:
-        inttiles._tiles_matmul(x, *work.widened(T, K), q, scale, b, out, accumulate, n_chunks)
-
-
 def logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None = None):
     """The head that returns logits: h (R, C) -> float32 (R, V), into ``out`` (rows, V) if given."""
     V = w.config.vocab_size
@@ -314,112 +266,6 @@ def logits_head(w: GPT2Weights, out: np.ndarray | None = None, rows: int | None 
     def head(h: np.ndarray, n_chunks: int) -> np.ndarray:
         # the tied head wte; BLAS already pinned by forward_pass
         logits = np.empty((len(h), V), np.float32) if out is None else out
-        _head_logits(w, h, logits, n_chunks)
+        head_logits(w, h, logits, n_chunks)
         return logits
     return head
-
-
-def _head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, n_chunks: int) -> None:
-    """logits = h @ wte.T, by the kernel that suits wte's format and the rows. The integer
-    formats multiply in integers, as _integer_matmul."""
-    R, C = h.shape
-    if w.scales:
-        _integer_matmul(h, w.wte, w.scales["wte"], None, logits, False, _workspace(w, R, get_threads()), n_chunks)
-    elif 2 <= R <= HEAD_ROWS_MAX:
-        _head_rows(w.wte, h, logits, n_chunks)
-    elif w.dtype == "float32":
-        _head(w.wte, h, logits, n_chunks)
-    else:
-        _head_compact(w.wte, h, logits, n_chunks)
-
-
-def head_inputs(w: GPT2Weights, h: np.ndarray):
-    """The rows as the scoring head takes them (matkernels._head_log_softmax): h itself, or for the
-    integer formats h quantised and laid out for the integer tiles (inttiles.laid_out), as every
-    integer product multiplies them."""
-    return inttiles.laid_out(h) if w.scales else h
-
-
-# --- work buffers: sized by the rows of a pass, kept for the next one ------------------------------
-
-class _Workspace:
-    """Activation buffers for up to ``rows`` rows of one model's pass.
-
-    Kept between calls and only ever grown: fresh memory is slow to touch, so a
-    decode loop over a batch of fixed size allocates nothing per step.
-    """
-
-    def __init__(self, cfg: GPT2Config, rows: int, threads: int):
-        C = cfg.n_embd
-        self.rows, self.threads, self.width = rows, threads, 4 * C
-        self.x = np.empty((rows, C), np.float32)        # residual stream
-        self.h = np.empty((rows, C), np.float32)        # layernorm out
-        self.qkv = np.empty((rows, 3 * C), np.float32)  # [q | k | v]
-        self.a = np.empty((rows, C), np.float32)        # attention out, heads side by side
-        self.f = np.empty((rows, 4 * C), np.float32)    # MLP hidden
-        # per thread: a tile of queries and its scores over every visible key, and a compact cache's
-        # rows widened (one head's keys or values: 256 KB for GPT-2)
-        self.attend = np.empty((threads, attend_width(cfg.head_dim, cfg.n_positions)), np.float32)
-        self._scratch = np.empty(0, np.float32)
-        self._dense = np.empty(0, np.float32)
-        # the integer formats' inputs: int8 rows and their scales, and laid out for the tiles (inttiles.WIDE)
-        self._int8 = np.empty(0, np.int8)
-        self._int8_scales = np.empty(0, np.float32)
-        self._wide = np.empty(0, np.int16)
-
-    def scratch(self, T: int, n_chunks: int) -> np.ndarray:
-        """Where matrix products land first: T rows, or T partial rows per chunk (flat)."""
-        need = max((n_chunks if dispatch.split_k(T) else 1) * T, 2 * n_chunks, T + 1) * self.width
-        if self._scratch.size < need:  # grows with the rows, or when the thread count grows
-            self._scratch = np.empty(need, np.float32)
-        return self._scratch
-
-    def quantized(self, T: int, K: int) -> tuple[np.ndarray, np.ndarray]:
-        """int8 (T, K) and float32 (T, K // GROUP) for T rows of inputs quantised per group."""
-        if self._int8.size < T * K:
-            self._int8 = np.empty(T * self.width, np.int8)
-            self._int8_scales = np.empty(T * self.width // compact.GROUP, np.float32)
-        return self._int8[: T * K].reshape(T, K), self._int8_scales[: T * K // compact.GROUP].reshape(T, -1)
-
-    def widened(self, T: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """int8 (rows, K), float32 (rows, K // GROUP) and inttiles.WIDE (rows, K) for T rows of inputs
-        quantised and laid out for the tiles, rows = inttiles.padded_rows(T) (whole tiles)."""
-        n = inttiles.padded_rows(T)
-        if self._wide.size < n * K:
-            self._wide = np.empty(n * self.width, inttiles.WIDE)
-        q, s = self.quantized(n, K)
-        return q, s, self._wide[: n * K].reshape(n, K)
-
-    def dense(self, shape: tuple) -> np.ndarray:
-        """A float32 buffer of ``shape`` for one widened compact matrix (many rows only)."""
-        size = shape[0] * shape[1]
-        if self._dense.size < size:
-            self._dense = np.empty(self.width * self.width // 4, np.float32)  # C x 4C, the largest
-        return self._dense[:size].reshape(shape)
-
-
-_local = threading.local()  # workspaces per thread: two threads may run passes at once
-
-
-def _workspace(w: GPT2Weights, rows: int, threads: int) -> _Workspace:
-    """This thread's workspace for the weights ``w``, with room for ``rows`` rows."""
-    spaces = getattr(_local, "spaces", None)
-    if spaces is None:
-        spaces = _local.spaces = weakref.WeakKeyDictionary()  # freed with the weights
-    work = spaces.get(w)
-    if work is None or work.rows < rows or work.threads < threads:
-        spaces[w] = work = _Workspace(w.config, max(rows, work.rows if work else 0), threads)
-    return work
-
-
-@functools.lru_cache(maxsize=1)
-def _blas_controller():
-    import scipy.linalg.cython_blas  # noqa: F401  (the BLAS Numba calls; load it before looking)
-    from threadpoolctl import ThreadpoolController
-
-    return ThreadpoolController()
-
-
-def _one_blas_thread():
-    """Pin every BLAS library to one thread for the duration: our Numba threads are the parallelism."""
-    return _blas_controller().limit(limits=1, user_api="blas")

@@ -234,7 +234,7 @@ def _reduce(partial, b, out, accumulate):
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _head_compact(wte, h, out, n_chunks):
     """out = h @ W.T for bfloat16 bits wte (V, C); h: (R, C); out: (R, V). (The integer formats' heads
-    multiply in integers: forward._integer_matmul.)
+    multiply in integers: products.integer_matmul.)
 
     A chunk is a span of vocabulary rows. One row: a dot product per vocabulary row, widened in
     registers. More: HEAD_CHUNK vocabulary rows at a time widened, then BLAS.

@@ -19,7 +19,8 @@ import numpy as np
 
 from . import checks
 from .errors import ConfigError, TokenTypeError
-from .forward import forward_pass, head_inputs
+from .forward import forward_pass
+from .products import head_inputs
 from .matkernels import _head_log_softmax
 from .kvcache import ModelCache, check_kv_dtype
 from .sample import _tokenizer

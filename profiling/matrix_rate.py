@@ -2,7 +2,7 @@
 
     python profiling/matrix_rate.py [--rows 8 32 128 512] [--repeat 9] [--dtypes float32 int8 int4] [--model DIR]
 
-The products go through forward._matmul, as a pass runs them (one pinned thread pool, BLAS
+The products go through products.matmul, as a pass runs them (one pinned thread pool, BLAS
 on one thread inside it), so each format takes the kernel a pass picks at that many rows:
 a few rows read the weights as stored (_linear_rows, _int_rows); more go to BLAS (float32;
 bfloat16 widened first) or to the integer tiles (inttiles.py), the inputs quantised in the
@@ -22,15 +22,15 @@ import time
 import numpy as np
 
 import gpt2numba as g
-from gpt2numba import compact, dispatch, forward, pool
+from gpt2numba import compact, dispatch, forward, pool, products
 from gpt2numba.bench.core import Load, machine, set_idle_patience, wait_for_idle
 
-def products(w, rows, threads):
+def layer_products(w, rows, threads):
     """A function that runs the four matrix products of layer 0 for ``rows`` rows of w's format, and
     their multiply-adds."""
     cfg = w.config
     C = cfg.n_embd
-    work = forward._workspace(w, rows, threads)
+    work = products.workspace(w, rows, threads)
     n_chunks = dispatch.n_chunks(threads)
     rng = np.random.default_rng(0)
     shapes = {"c_attn_w": (C, 3 * C), "attn_c_proj_w": (C, C),  # (inputs, outputs)
@@ -40,7 +40,7 @@ def products(w, rows, threads):
 
     def run():
         for x, field, b, out in jobs:
-            forward._matmul(x, field, 0, b, out, False, w, work, n_chunks)
+            products.matmul(x, field, 0, b, out, False, w, work, n_chunks)
     return run, sum(rows * x.shape[1] * out.shape[1] for x, _, _, out in jobs)
 
 
@@ -65,10 +65,10 @@ def main():
           f"{threads} threads; {about['cpu']}, the integer tiles multiply with {about['integer_tiles']}")
     print(f"{'rows':>5} {'format':8} {'ms':>8} {'GMAC/s':>8} {'vs float32':>10} {'others':>6}")
     for rows in args.rows:
-        runs = {d: products(w, rows, threads) for d, w in weights.items()}
+        runs = {d: layer_products(w, rows, threads) for d, w in weights.items()}
         times = {d: [] for d in runs}
         wait_for_idle()
-        with pool.pinned(), forward._one_blas_thread(), Load() as load:
+        with pool.pinned(), products.one_blas_thread(), Load() as load:
             for run, _ in runs.values():
                 run()  # compile or load, and touch the buffers
             for _ in range(args.repeat):

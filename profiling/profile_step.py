@@ -40,8 +40,8 @@ def instrument(totals):
     """Replace forward's kernels with timed wrappers; return a function that undoes it."""
     kinds = {"_layernorm": lambda *a, **k: "layernorm", "_write_kv": lambda *a, **k: "cache write",
              "_attend": lambda *a, **k: "attention", "_gelu": lambda *a, **k: "gelu",
-             "_head_logits": lambda *a, **k: "head (wte)",
-             "_matmul": lambda x, field, *a, **k: MATRIX_KINDS[field]}
+             "head_logits": lambda *a, **k: "head (wte)",
+             "matmul": lambda x, field, *a, **k: MATRIX_KINDS[field]}
     saved = {name: getattr(forward, name) for name in kinds}
 
     def timed(name, fn):

@@ -14,7 +14,7 @@ import gpt2numba as g
 import helpers
 import test_score
 from conftest import TINY
-from gpt2numba import compact, forward, intkernels, inttiles, kernels
+from gpt2numba import compact, forward, intkernels, inttiles, kernels, products
 
 CAUGHT = (AssertionError, g.GPT2NumbaError)
 PROMPTS = [np.random.default_rng(7).integers(0, TINY.vocab_size, n).tolist() for n in helpers.LENGTHS]
@@ -193,11 +193,11 @@ def test_catches_scoring_a_token_from_its_own_logits(tiny, monkeypatch):
 # --- the integer formats ------------------------------------------------------------------------------
 
 def _int_rows_mutant(monkeypatch, change):
-    """forward's integer products with (quantised x, x scales, w, w scales) changed by ``change`` first."""
+    """The integer products (products.py) with (quantised x, x scales, w, w scales) changed by ``change`` first."""
     def int_matmul(x, xq, xs, w, scale, *rest):
         intkernels._quantize_rows(x, xq, xs)
         intkernels._int_rows(*change(xq, xs, w, scale), *rest)
-    monkeypatch.setattr(forward, "_int_matmul", int_matmul)
+    monkeypatch.setattr(products, "_int_matmul", int_matmul)
 
     def tiles_matmul(x, xq, xs, xw, w, scale, *rest):  # and past INT_ROWS_MAX rows
         inttiles._lay_out_rows(x, xq, xs, xw)
