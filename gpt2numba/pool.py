@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import errno
 import fcntl
 import math
 import os
@@ -256,7 +257,9 @@ def _start(settle: bool = False) -> None:
     _spawn(range(1, n))
     _state[NWORK] = n - 1
     _unsettled[:] = [True] if pin else []
-    if settle:
+    if _asked and _asked[0] > n:  # a set_threads above the size, before a fork
+        grow(_asked[0])
+    if settle and pin:
         _settle()
 
 
@@ -285,28 +288,37 @@ def grow(n: int) -> None:
     $GPT2NUMBA_THREADS') starts the rest. They run on any CPU of the process (their mask, where a rescue
     would pin them back, is all of them): the pool's size was what the process may keep busy, and the user
     asked for more."""
-    have, n = int(_state[NWORK]) + 1, min(n, MAX_THREADS - 1)
-    if not enabled() or _state[LAZY] or n <= have:  # (LAZY: a forked child sizes its pool at its first region)
+    n = min(n, MAX_THREADS - 1)
+    if not enabled():
         return
-    for k in range(have, n):
-        for cpu in os.sched_getaffinity(0):
-            _masks[k, cpu // 64] |= np.uint64(1) << np.uint64(cpu % 64)
-    _spawn(range(have, n))
-    _state[NWORK] = n - 1
-    _sized[:] = [f"{_sized[0]}, grown to {n} by set_threads"]
+    with _grow_lock:
+        _asked[:] = [max([n, *_asked])]
+        have = int(_state[NWORK]) + 1
+        if _state[LAZY] or n <= have:  # (LAZY: a forked child starts its pool, _asked's size, at its first region)
+            return
+        for k in range(have, n):
+            for cpu in os.sched_getaffinity(0):
+                _masks[k, cpu // 64] |= np.uint64(1) << np.uint64(cpu % 64)
+        _spawn(range(have, n))
+        _state[NWORK] = n - 1
+        _sized[1:] = [f"grown to {n} by set_threads, the added threads unpinned"]
+
+
+_asked: list[int] = []  # the largest size set_threads asked of the pool, if above it
+_grow_lock = threading.Lock()
 
 
 def _settle() -> None:
     """Claim the CPUs and pin the pool's threads to them, or, another process's claim found, leave them
-    unpinned: at the first forward pass, so that a process that never runs one (a benchmark's parent, a
-    Ray driver) leaves the CPUs to its workers."""
+    unpinned: at the first forward pass, so that a process that never runs one (a Ray driver) leaves the
+    CPUs to its workers. Threads grown past the CPUs (grow) stay unpinned."""
     _unsettled.clear()
     refused = _claim(_cpus)
     if refused:
         _cpus.clear()
         _unpinned[:] = [refused]
         return
-    for k in range(1, int(_state[NWORK]) + 1):
+    for k in range(1, min(int(_state[NWORK]) + 1, len(_cpus))):  # (threads grown past the CPUs stay unpinned)
         try:
             os.sched_setaffinity(int(_state[TIDS + 8 * k]), {_cpus[k]})
         except OSError as e:
@@ -346,11 +358,15 @@ def _claim(cpus) -> str | None:
                 return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            _release(taken)
-            return f"CPU {cpu} is claimed by gpt2numba process {holder}"
+        except OSError as e:
+            try:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # no flock here: pinned, as without claims
+                    return None
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                return f"CPU {cpu} is claimed by gpt2numba process {holder}"
+            finally:
+                os.close(fd)
+                _release(taken)
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
@@ -382,13 +398,14 @@ def _after_fork() -> None:
     """In a forked child only the forking thread exists. Its regions run on it alone until the first one
     starts the pool's threads (_start_in_region): a child that only execs, such as the one between fork
     and exec of ``subprocess.Popen(preexec_fn=...)``, never starts a thread."""
-    global _passes_lock
+    global _passes_lock, _grow_lock
     if _off:
         return
     _threads.clear()
     _passes.clear()  # (the other threads in passes are not in the child)
     _holder.clear()
     _passes_lock = threading.Lock()  # another thread may have held it at the fork
+    _grow_lock = threading.Lock()
     start = _state[START]
     _state[:] = 0
     _state[START] = start
@@ -419,7 +436,7 @@ def describe() -> str:
     n = int(_state[NWORK]) + 1
     out = f"gpt2numba's pool of {n} thread{'s' * (n > 1)}"
     if _sized:
-        out += f" ({_sized[0]})"
+        out += f" ({'; '.join(_sized)})"
     if _cpus:
         out += ", to be pinned one to a CPU at the first forward pass" if _unsettled else ", pinned one to a CPU"
     out += f", not pinned: {_unpinned[0]}" if _unpinned else ""

@@ -329,26 +329,62 @@ def test_a_quota_of_one_cpu_gives_a_pool_of_one_thread_unless_gpt2numba_threads_
 
 
 def test_set_threads_above_the_pools_size_grows_it():
-    """A pool of one thread ($GPT2NUMBA_THREADS=1): set_threads(2) starts a second, regions are shared
-    out to two threads, describe() says why, and the logits are the same bits."""
+    """A pool of one thread ($GPT2NUMBA_THREADS=1): set_threads(2) starts a second, which runs regions'
+    entries, describe() says why, and the logits are the same bits."""
     script = """
 import hashlib, sys
 import numpy as np
 sys.path.insert(0, "tests")
 import gpt2numba as g
-from gpt2numba import pool, regions
+from gpt2numba import pool
 from conftest import TINY
 before = len(pool._threads) + 1
 g.set_threads(2)
 logits = g.prefill(np.arange(40) * 3 % 512, g.random_weights(TINY, seed=2), g.ModelCache(TINY))
-print(before, len(pool._threads) + 1, regions._state[regions.NTHREADS])  # the last region's threads
+# the self-check's region leaves its entries to the pool's threads: None once thread 1 ran them
+print(before, len(pool._threads) + 1, pool._self_check())
 print(pool.describe())
 print(hashlib.sha256(logits.tobytes()).hexdigest())
 """
     sizes, described, digest = _run(script, {"GPT2NUMBA_THREADS": "1"}).stdout.splitlines()
-    assert sizes == "1 2 2", sizes
+    assert sizes == "1 2 None", sizes
     assert "grown to 2 by set_threads" in described, described
     assert digest == _digest_fresh()
+
+
+@pytest.mark.skipif(not pool._cpus, reason="the pool pins its threads only when they cover every CPU")
+def test_a_pinned_pool_grown_before_its_first_pass_pins_only_its_cpus_and_a_forked_child_keeps_the_size(
+        tmp_path):
+    """A pinned pool of one thread a CPU grown by one before its first forward pass: the pass pins the
+    first threads and leaves the added one free; a forked child starts a pool of the size asked, unpinned
+    (the parent's claim), without a warning; the same bits."""
+    cpus = len(pool._cpus)
+    script = """
+import hashlib, os, sys, warnings
+import numpy as np
+sys.path.insert(0, "tests")
+warnings.simplefilter("error", RuntimeWarning)
+import gpt2numba as g
+from gpt2numba import pool
+from conftest import TINY
+g.set_threads({n})
+w = g.random_weights(TINY, seed=2)
+logits = g.prefill(np.arange(40) * 3 % 512, w, g.ModelCache(TINY))
+free = len(os.sched_getaffinity(int(pool._state[pool.TIDS + 8 * ({n} - 1)])))
+print(len(pool._threads) + 1, free, pool.describe())
+print(hashlib.sha256(logits.tobytes()).hexdigest(), flush=True)
+pid = os.fork()
+if pid == 0:
+    same = np.array_equal(g.prefill(np.arange(40) * 3 % 512, w, g.ModelCache(TINY)), logits)
+    print(len(pool._threads) + 1, same, pool.describe(), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+    env = {"GPT2NUMBA_THREADS": str(cpus), "NUMBA_NUM_THREADS": str(cpus + 1), "GPT2NUMBA_CLAIM_DIR": str(tmp_path)}
+    parent, digest, child = _run(script.format(n=cpus + 1), env).stdout.splitlines()
+    assert parent.startswith(f"{cpus + 1} {cpus} ") and "pinned one to a CPU" in parent, parent
+    assert "grown to" in parent and "pinning failed" not in parent, parent
+    assert child.startswith(f"{cpus + 1} True ") and "not pinned: CPU" in child, child
 
 
 def test_a_cpu_id_past_1024_and_a_refused_pinning_are_told_not_fatal():
