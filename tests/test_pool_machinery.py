@@ -435,8 +435,8 @@ sys.stdin.readline()
 @pytest.mark.skipif(not pool._cpus, reason="the pool pins its threads only when they cover every CPU")
 def test_a_second_process_on_claimed_cpus_runs_unpinned_and_says_why(tmp_path):
     """The first of two gpt2numba processes on the same CPUs pins its threads at its first forward pass;
-    the second, and a child the first forks, find the CPUs claimed and run unpinned; a process that runs
-    no pass claims nothing; once the first has ended, the next pins."""
+    the second, and a child the first forks, find the CPUs claimed and run unpinned; once the first has
+    ended, the next pins, even while the child it forked lives; a process that runs no pass claims nothing."""
     env = {**os.environ, "PYTHONPATH": ROOT, "GPT2NUMBA_CLAIM_DIR": str(tmp_path)}
     first = subprocess.Popen([sys.executable, "-c", _CLAIMANT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True, cwd=ROOT, env=env)
@@ -452,6 +452,16 @@ def test_a_second_process_on_claimed_cpus_runs_unpinned_and_says_why(tmp_path):
     assert forked[0].endswith("pinned one to a CPU"), forked
     assert f"claimed by gpt2numba process {forked[2]}" in forked[1], forked
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"gpt2numba-cpu{c}.claim" for c in pool._cpus)
+    orphan = subprocess.Popen([sys.executable, "-c", _ORPHAN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=ROOT, env=env)
+    try:  # the parent has ended; its child, which read its claim in the parent's files, lives on
+        assert "not pinned: CPU" in orphan.stdout.readline()
+        orphan.wait(timeout=300)
+        third = _run(_SECOND, env).stdout
+        assert "pinned one to a CPU" in third and "not pinned" not in third, third
+    finally:
+        orphan.stdin.write("\n")
+        orphan.stdin.close()
     idle = tmp_path / "idle"
     idle.mkdir()
     _run("import gpt2numba", {**env, "GPT2NUMBA_CLAIM_DIR": str(idle)})
@@ -462,6 +472,28 @@ _SECOND = """
 from gpt2numba import pool
 with pool.pinned():  # a forward pass's entry
     print(pool.describe(), pool._cpus)
+"""
+
+# the parent pins and forks; the child runs unpinned, then waits on stdin after the parent has ended
+_ORPHAN = """
+import os, sys, warnings
+import numpy as np
+sys.path.insert(0, "tests")
+import gpt2numba as g
+from gpt2numba import pool
+from conftest import TINY
+
+w = g.random_weights(TINY, seed=2)
+g.prefill(np.arange(40) * 3 % 512, w, g.ModelCache(TINY))
+warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+started, told = os.pipe()
+if os.fork() == 0:
+    g.prefill(np.arange(40) * 3 % 512, w, g.ModelCache(TINY))
+    print(pool.describe(), flush=True)
+    os.write(told, b"x")
+    sys.stdin.readline()
+    os._exit(0)
+os.read(started, 1)  # the child has met the claim
 """
 
 # the parent pins; its forked child's first region starts threads that find the parent's claim
