@@ -245,16 +245,16 @@ def test_bad_decode_batch(tiny, two, tokens, caches, error, match):
     assert_all_unchanged(mcs, snapshots)
 
 
-@pytest.mark.parametrize("step", ["_attend", "_head_rows"])
-def test_interrupted_batch_leaves_every_cache(tiny, two, monkeypatch, step):
+@pytest.mark.parametrize("module, step", [("forward", "_attend"), ("products", "_head_rows")])
+def test_interrupted_batch_leaves_every_cache(tiny, two, monkeypatch, module, step):
     """An exception inside the layer loop, or in the output head once every layer wrote its rows."""
-    from gpt2numba import forward
+    import importlib
 
     mcs, snapshots = two
 
     def broken(*args):
         raise KeyboardInterrupt
-    monkeypatch.setattr(forward, step, broken)
+    monkeypatch.setattr(importlib.import_module(f"gpt2numba.{module}"), step, broken)
     with pytest.raises(KeyboardInterrupt):
         g.prefill_batch([[1, 2], [3]], tiny, mcs)
     for mc, (length, lengths, _, _) in zip(mcs, snapshots):

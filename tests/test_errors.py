@@ -141,16 +141,16 @@ def test_cache_arrays_cannot_be_replaced(filled):
             setattr(mc, name, None)
 
 
-@pytest.mark.parametrize("kernel", ["_attend", "_head"])
-def test_interrupted_call_leaves_the_cache(tiny, filled, monkeypatch, kernel):
+@pytest.mark.parametrize("module, kernel", [("forward", "_attend"), ("products", "_head")])
+def test_interrupted_call_leaves_the_cache(tiny, filled, monkeypatch, module, kernel):
     """An exception inside the layer loop (attention) or after it (the output head,
     once every layer wrote its rows) rolls the lengths back."""
     mc, (length, lengths, _, _) = filled
-    from gpt2numba import forward
+    import importlib
 
     def broken(*args):
         raise KeyboardInterrupt
-    monkeypatch.setattr(forward, kernel, broken)
+    monkeypatch.setattr(importlib.import_module(f"gpt2numba.{module}"), kernel, broken)
     with pytest.raises(KeyboardInterrupt):
         g.prefill([1, 2], tiny, mc)
     assert mc.length == length and (mc.lengths == lengths).all()
