@@ -377,9 +377,11 @@ def _claim(cpus) -> str | None:
     return None
 
 
-def _release(fds) -> None:
+def _release(fds: list[int]) -> None:
+    """Close the claim files ``fds`` and empty the list."""
     for fd in fds:
         os.close(fd)
+    fds.clear()
 
 
 def _stop() -> None:
@@ -391,7 +393,6 @@ def _stop() -> None:
         t.join(timeout=1.0)
     _threads.clear()
     _release(_claims)
-    _claims.clear()
 
 
 def _after_fork() -> None:
@@ -412,7 +413,6 @@ def _after_fork() -> None:
     _state[LAZY] = 1
     _pin_failures.clear()
     _release(_claims)  # the parent's claims stay the parent's: this child's start finds them taken
-    _claims.clear()
     _unpinned.clear()
     _unsettled.clear()
 
