@@ -114,6 +114,11 @@ CHUNKS_PER_THREAD = 4
 MIN_CHUNKS = 8
 # Rows up to which a BLAS product splits the weights' rows across chunks: it won from 1 row to 256, but at 2
 SPLIT_K_ROWS = 256
+# Bytes ahead of its reads that the integer formats' one-row dot products ask the CPU to fetch their matrix
+# (intkernels._dot_row): a decode step at context 128 took 0.94x (int8) and 0.91x (int4) the
+# time without, 2048 and 8192 bytes alike within the runs' spread; bfloat16's row kernels took 1.17x with it (AMD
+# EPYC Zen 4, alternating runs; docs/performance.md, "The decode floor")
+PREFETCH_BYTES = 4096
 
 
 def n_chunks(threads: int) -> int:

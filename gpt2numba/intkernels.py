@@ -5,7 +5,8 @@ of GROUP (_quantize_rows). Up to dispatch.INT_ROWS_MAX rows, _int_rows multiplie
 int8 (int4 unpacked in registers) into int32, one group at a time, and scales once
 per group; its dot product, _dot_row, is written in LLVM's vector IR so that every
 x86 gets the CPU's 8-bit multiply-add (vpmaddubsw with AVX2, else pmaddwd; for int4
-with VNNI, vpdpbusd; with either, int4's nibbles are multiplied as stored). More rows go to
+with VNNI, vpdpbusd; with either, int4's nibbles are multiplied as stored), fetching the matrix
+PREFETCH_BYTES ahead of its reads. More rows go to
 inttiles.py, in tiles of rows and outputs.
 
 Private and unchecked, as kernels.py: callers in forward.py validate.
@@ -18,7 +19,7 @@ from numba.extending import intrinsic, overload
 
 from .chunks import _claimed, _span
 from .compact import GROUP as _GROUP
-from .dispatch import BYTE_MADD, MADD_WIDTH, NIBBLE_VNNI
+from .dispatch import BYTE_MADD, MADD_WIDTH, NIBBLE_VNNI, PREFETCH_BYTES
 from .kernels import _as_float32, _as_uint32
 
 _HALF_GROUP = _GROUP // 2
@@ -86,6 +87,16 @@ def _x86(builder, name, ret, *args):
     fn = builder.module.globals.get(name) or ir.Function(builder.module,
                                                          ir.FunctionType(ret, [a.type for a in args]), name)
     return builder.call(fn, list(args))
+
+
+def _prefetch(builder, pointer):
+    """Ask the CPU to start reading the cache line at ``pointer`` (a byte's address) for a read soon:
+    llvm.prefetch, which never faults, whatever the address."""
+    i32 = ir.IntType(32)
+    name = "llvm.prefetch.p0" if str(pointer.type) == "ptr" else "llvm.prefetch.p0i8"  # (opaque pointers or typed)
+    fn = builder.module.globals.get(name) or ir.Function(
+        builder.module, ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]), name)
+    builder.call(fn, [pointer, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
 
 
 def _concat(builder, parts):
@@ -158,14 +169,16 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
             """The scaled sums of groups g .. g + per - 1, as float32 <per * lanes_n>."""
             n = per * _GROUP
             xv = load(xa.data, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, n))
+            at = builder.mul(g, ir.Constant(i64, half if packed else _GROUP))  # the groups' first byte
+            _prefetch(builder, builder.gep(wa.data, [builder.add(at, ir.Constant(i64, PREFETCH_BYTES))]))
             if packed:  # each group's low nibbles, then its high ones
-                raw = load(wa.data, builder.mul(g, ir.Constant(i64, half)), vec(i8, n // 2))
+                raw = load(wa.data, at, vec(i8, n // 2))
                 low, high = builder.and_(raw, const(i8, n // 2, 15)), builder.lshr(raw, const(i8, n // 2, 4))
                 order = [k + j + (n // 2 if j >= half else 0) - (half if j >= half else 0)
                          for k in range(0, n // 2, half) for j in range(_GROUP)]
                 wv = builder.shuffle_vector(low, high, ir.Constant(vec(i32, n), order))
             else:
-                wv = load(wa.data, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, n))
+                wv = load(wa.data, at, vec(i8, n))
             if as_stored:
                 quads = vec(i32, per * lanes_n)
                 start = load(xca.data, builder.mul(g, ir.Constant(i64, lanes_n)), quads)
