@@ -18,7 +18,6 @@ Shapes: N = rows, B = sequences, C = n_embd, V = vocab_size.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import numba
@@ -225,19 +224,18 @@ def forward_pass(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache
     written = np.repeat(pos0[:, None], cfg.n_layer, axis=1)  # (B, n_layer) positions each layer holds
     tiles, bounds = _attention_plan(row0, pos0, cfg.n_head, n_chunks)
     eps = cfg.layer_norm_epsilon
-    linear = functools.partial(matmul, w=w, work=work, n_chunks=n_chunks)
     with pool.pinned(), one_blas_thread():
         for layer in range(cfg.n_layer):
             _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
-            linear(h, "c_attn_w", layer, w.c_attn_b[layer], out=qkv, accumulate=False)
+            matmul(h, "c_attn_w", layer, w.c_attn_b[layer], qkv, False, w, work, n_chunks)
             _write_kv(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half)
             _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, a, work.attend, half)
-            linear(a, "attn_c_proj_w", layer, w.attn_c_proj_b[layer], out=x, accumulate=True)
+            matmul(a, "attn_c_proj_w", layer, w.attn_c_proj_b[layer], x, True, w, work, n_chunks)
 
             _layernorm(x, w.ln_2_g[layer], w.ln_2_b[layer], eps, h)
-            linear(h, "c_fc_w", layer, w.c_fc_b[layer], out=f, accumulate=False)
+            matmul(h, "c_fc_w", layer, w.c_fc_b[layer], f, False, w, work, n_chunks)
             _gelu(f)
-            linear(f, "mlp_c_proj_w", layer, w.mlp_c_proj_b[layer], out=x, accumulate=True)
+            matmul(f, "mlp_c_proj_w", layer, w.mlp_c_proj_b[layer], x, True, w, work, n_chunks)
         wrong = np.flatnonzero((written != (pos0 + counts)[:, None]).any(axis=0))
         if wrong.size:
             raise GPT2NumbaError(f"internal error: layers {wrong.tolist()} did not write their cache rows")

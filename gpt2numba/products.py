@@ -53,8 +53,9 @@ def integer_matmul(x, q, scale, b, out, accumulate, work, n_chunks):
     to INT_ROWS_MAX, INT4_ROWS_MAX for int4), more in tiles of rows and outputs (inttiles).
     """
     T, K = x.shape
-    if T <= (INT4_ROWS_MAX if q.dtype == np.uint8 else INT_ROWS_MAX):
-        _int_matmul(x, *work.quantized(T, K), q, scale, b, out, accumulate, n_chunks)
+    if T <= (INT4_ROWS_MAX if q.dtype.char == "B" else INT_ROWS_MAX):  # (uint8: int4)
+        xq, xs = work.quantized(T, K)
+        _int_matmul(x, xq, xs, q, scale, b, out, accumulate, n_chunks)
     else:
         inttiles._tiles_matmul(x, *work.widened(T, K), q, scale, b, out, accumulate, n_chunks)
 
@@ -107,6 +108,7 @@ class Workspace:
         self._int8 = np.empty(0, np.int8)
         self._int8_scales = np.empty(0, np.float32)
         self._wide = np.empty(0, np.int16)
+        self._views = {}  # (T, K): quantized's views of _int8 and _int8_scales
 
     def scratch(self, T: int, n_chunks: int) -> np.ndarray:
         """Where matrix products land first: T rows, or T partial rows per chunk (flat)."""
@@ -117,10 +119,15 @@ class Workspace:
 
     def quantized(self, T: int, K: int) -> tuple[np.ndarray, np.ndarray]:
         """int8 (T, K) and float32 (T, K // GROUP) for T rows of inputs quantised per group."""
-        if self._int8.size < T * K:
-            self._int8 = np.empty(T * self.width, np.int8)
-            self._int8_scales = np.empty(T * self.width // compact.GROUP, np.float32)
-        return self._int8[: T * K].reshape(T, K), self._int8_scales[: T * K // compact.GROUP].reshape(T, -1)
+        views = self._views.get((T, K))  # (a decode step asks for the same views 49 times)
+        if views is None:
+            if self._int8.size < T * K:
+                self._int8 = np.empty(T * self.width, np.int8)
+                self._int8_scales = np.empty(T * self.width // compact.GROUP, np.float32)
+                self._views.clear()
+            views = self._views[T, K] = (self._int8[: T * K].reshape(T, K),
+                                         self._int8_scales[: T * K // compact.GROUP].reshape(T, -1))
+        return views
 
     def widened(self, T: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """int8 (rows, K), float32 (rows, K // GROUP) and inttiles.WIDE (rows, K) for T rows of inputs
