@@ -89,6 +89,7 @@ def choose(features: frozenset[str] | None) -> Choices:
 
 
 FEATURES = x86_features()
+X86 = FEATURES is not None  # whether Numba compiles for an x86 CPU: x86 instructions may be named
 CHOICES = choose(FEATURES)
 F16C = CHOICES.f16c
 MADD_WIDTH = CHOICES.madd_width

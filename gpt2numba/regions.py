@@ -31,6 +31,8 @@ from llvmlite import binding as ll, ir
 from numba import cfunc, njit, types
 from numba.extending import intrinsic
 
+from .dispatch import X86
+
 SPIN = 4000  # pauses (25-40 ns each) a waiting thread spins before it sleeps
 CHECK = 256  # pauses between the caller's looks at a thread that holds an entry
 SPACE = 256  # per thread: room for one entry's argument pointers and counts
@@ -67,7 +69,7 @@ ll.add_symbol("gpt2numba_pool_state", _state.ctypes.data)
 ll.add_symbol("gpt2numba_pool_space", _space.ctypes.data)
 ll.add_symbol("gpt2numba_pool_masks", _masks.ctypes.data)
 
-SYS_GETTID, SYS_FUTEX, SYS_SCHED_SETAFFINITY, SYS_CLOCK_GETTIME, SYS_GETCPU = 186, 202, 203, 228, 309  # x86-64
+SYS_GETTID, SYS_FUTEX, SYS_SCHED_SETAFFINITY, SYS_CLOCK_GETTIME, SYS_GETCPU = 186, 202, 203, 228, 309  # x86-64's
 FUTEX_WAIT, FUTEX_WAKE = 128, 129  # the process-private forms
 CLOCK_MONOTONIC = 1
 _MASK32 = (1 << 32) - 1
@@ -134,9 +136,13 @@ def _cas(typingctx, addr, old, new):
 
 @intrinsic
 def _pause(typingctx):
+    """x86's pause, a spinning thread's hint to its core; elsewhere nothing. The cfuncs compile at import
+    on every CPU, and another CPU's LLVM aborts the process on an x86 instruction (the pool itself runs
+    only on x86-64: pool.enabled)."""
     def codegen(context, builder, sig, args):
-        fn = builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(ir.VoidType(), []))
-        builder.call(fn, [])
+        if X86:
+            fn = builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(ir.VoidType(), []))
+            builder.call(fn, [])
         return context.get_dummy_value()
     return types.none(), codegen
 

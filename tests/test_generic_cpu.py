@@ -58,3 +58,33 @@ def test_every_format_matches_the_oracle_on_a_generic_x86_64_cpu():
     assert out["choices"]["madd_width"] == 8 and not out["choices"]["f16c"], out["choices"]  # the generic paths
     for name in ("float32", "bfloat16", "int8", "int4", "float16 cache"):
         assert out[name]["ok"], (name, out[name])
+
+
+# The pool's cfuncs compile at import on every CPU (the pool itself runs on x86-64 only): another CPU's LLVM
+# aborts the process on an x86 instruction, so none may call one where dispatch.X86 is false (their spin's
+# pause was the one; the QEMU run of profiling/qemu_aarch64.sh found it). The optimised IR is x86's either
+# way, so only the calls of the code's own making are looked for. Numba's cache goes to a directory of the
+# subprocess's own, so that what it compiles never reaches the host's.
+_NOT_X86 = """
+import json, re, sys, types
+package = types.ModuleType("gpt2numba")  # the package without its __init__, which would import regions
+package.__path__ = ["gpt2numba"]
+sys.modules["gpt2numba"] = package
+from gpt2numba import dispatch
+dispatch.X86 = False  # as dispatch finds it on aarch64, before regions compiles its cfuncs
+from gpt2numba import regions
+from numba.core.ccallback import CFunc
+cfuncs = {name: f for name, f in vars(regions).items() if isinstance(f, CFunc)}
+json.dump({name: re.findall(r"call void @llvm\\.x86\\.[a-z0-9.]+", f.inspect_llvm()) for name, f in cfuncs.items()},
+          sys.stdout)
+"""
+
+
+def test_the_pools_cfuncs_call_no_x86_instruction_off_x86(tmp_path):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", _NOT_X86], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    calls = json.loads(out.stdout)
+    assert "_worker" in calls and "_parallel_for" in calls, calls
+    assert not any(calls.values()), f"x86 instructions called: {calls}"
