@@ -2,7 +2,7 @@
 
 Each of gpt2numba's formats runs against the llama.cpp format of the same size:
 float32 / F32, bfloat16 / F16, int8 / Q8_0 and int4 / Q4_0 (llama.cpp's default
-Q4_0, which keeps the tied embedding and head in Q6_K; our int4 keeps them in int4). llama.cpp runs in
+Q4_0, which keeps the tied embedding and head in Q6_K; our int4 keeps them in int8). llama.cpp runs in
 its own worker process through llama-cpp-python (the optional extra [peers]; it
 compiles llama.cpp at install, several minutes on two cores), alternating run by
 run with ours. Before any timing, its F32 logits must match ours to 2e-3 (its
