@@ -35,7 +35,7 @@ def _madd_pairs(builder, a, b):
     i32 = ir.IntType(32)
     width = MADD_WIDTH
     if width:
-        return _concat(builder, [_x86(builder, _PMADDWD[width], ir.VectorType(i32, width // 2),
+        return _concat(builder, [_llvm(builder, _PMADDWD[width], ir.VectorType(i32, width // 2),
                                       _lanes(builder, a, range(k, k + width)), _lanes(builder, b, range(k, k + width)))
                                  for k in range(0, _GROUP, width)])
     half = ir.VectorType(i32, _HALF_GROUP)
@@ -58,7 +58,7 @@ def _madd_bytes(builder, u, s):
     parts = []
     for k in range(0, u.type.count, 32):
         uk, sk = _lanes(builder, u, range(k, k + 32)), _lanes(builder, s, range(k, k + 32))
-        parts.append(_x86(builder, _PMADDWD[16], q8, _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, uk, sk), ones))
+        parts.append(_llvm(builder, _PMADDWD[16], q8, _llvm(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, uk, sk), ones))
     return _concat(builder, parts)
 
 
@@ -74,7 +74,7 @@ def _madd_signed_bytes(builder, w, x):
     b32 = ir.VectorType(ir.IntType(8), 32)
 
     def sign(v, by):
-        return _concat(builder, [_x86(builder, "llvm.x86.avx2.psign.b", b32, _lanes(builder, v, range(k, k + 32)),
+        return _concat(builder, [_llvm(builder, "llvm.x86.avx2.psign.b", b32, _lanes(builder, v, range(k, k + 32)),
                                       _lanes(builder, by, range(k, k + 32))) for k in range(0, v.type.count, 32)])
     return _madd_bytes(builder, sign(w, w), sign(x, w))
 
@@ -82,8 +82,9 @@ def _madd_signed_bytes(builder, w, x):
 _PMADDWD = {32: "llvm.x86.avx512.pmaddw.d.512", 16: "llvm.x86.avx2.pmadd.wd", 8: "llvm.x86.sse2.pmadd.wd"}  # by int16 lanes
 
 
-def _x86(builder, name, ret, *args):
-    """A call of the x86 instruction that LLVM names ``name`` (declared in the module at its first use)."""
+def _llvm(builder, name, ret, *args):
+    """A call of LLVM's intrinsic ``name``: an x86 instruction by its name, or llvm.prefetch (declared in the
+    module at its first use)."""
     fn = builder.module.globals.get(name) or ir.Function(builder.module,
                                                          ir.FunctionType(ret, [a.type for a in args]), name)
     return builder.call(fn, list(args))
@@ -94,9 +95,8 @@ def _prefetch(builder, pointer):
     llvm.prefetch, which never faults, whatever the address."""
     i32 = ir.IntType(32)
     name = "llvm.prefetch.p0" if str(pointer.type) == "ptr" else "llvm.prefetch.p0i8"  # (opaque pointers or typed)
-    fn = builder.module.globals.get(name) or ir.Function(
-        builder.module, ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]), name)
-    builder.call(fn, [pointer, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
+    _llvm(builder, name, ir.VoidType(), pointer, ir.Constant(i32, 0), ir.Constant(i32, 3),
+          ir.Constant(i32, 1))  # read, keep, data
 
 
 def _concat(builder, parts):
@@ -182,7 +182,7 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
             if as_stored:
                 quads = vec(i32, per * lanes_n)
                 start = load(xca.data, builder.mul(g, ir.Constant(i64, lanes_n)), quads)
-                sums = (_x86(builder, _NIBBLE_DPBUSD[per], quads, start, builder.bitcast(wv, quads), builder.bitcast(xv, quads))
+                sums = (_llvm(builder, _NIBBLE_DPBUSD[per], quads, start, builder.bitcast(wv, quads), builder.bitcast(xv, quads))
                         if nibbles_vnni else builder.add(start, _madd_bytes(builder, wv, xv)))
             else:
                 if packed:

@@ -36,7 +36,7 @@ from numba.extending import intrinsic, overload
 from .chunks import _claimed, _span
 from .compact import GROUP as _GROUP
 from .dispatch import MADD_WIDTH, ROW_CHUNKS, TILE_VNNI
-from .intkernels import _PMADDWD, _quantize_rows, _x86
+from .intkernels import _PMADDWD, _quantize_rows, _llvm
 
 _HALF_GROUP = _GROUP // 2
 _LANES = (MADD_WIDTH or 16) // 2  # int32 sums in one multiply-add: outputs per vector
@@ -60,7 +60,7 @@ def _madd(builder, a, b):
     i32 = ir.IntType(32)
     n = a.type.count
     if MADD_WIDTH == n:
-        return _x86(builder, _PMADDWD[n], ir.VectorType(i32, n // 2), a, b)
+        return _llvm(builder, _PMADDWD[n], ir.VectorType(i32, n // 2), a, b)
     half = ir.VectorType(i32, n // 2)
 
     def lanes(v, first):
@@ -73,7 +73,7 @@ def _dpbusd(builder, acc, a, b):
     """<n x i32>: acc + the sums of four adjacent products of a's bytes, unsigned, by b's, signed
     (a, b: <n x i32>, four bytes a lane): VNNI's vpdpbusd, or the same written out."""
     if _DPBUSD:
-        return _x86(builder, _DPBUSD, acc.type, acc, a, b)
+        return _llvm(builder, _DPBUSD, acc.type, acc, a, b)
     i8, i32 = ir.IntType(8), ir.IntType(32)
     n = acc.type.count
     wide = ir.VectorType(i32, 4 * n)
