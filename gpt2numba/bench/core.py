@@ -410,6 +410,15 @@ def wait_for_idle(threshold=0.1, patience_s=None):
             return
 
 
+def in_turns(conditions, rounds):
+    """(round, condition) for ``rounds`` rounds of every condition, each round in the order opposite to the
+    last (A B C, C B A, ...), each after waiting for a quiet machine: how the studies take turns."""
+    for r in range(rounds):
+        for condition in (conditions if r % 2 == 0 else conditions[::-1]):
+            wait_for_idle()
+            yield r, condition
+
+
 def machine():
     """What the figures were measured on: the CPU (as Linux names it) and how the integer tiles multiply on it."""
     from .. import inttiles

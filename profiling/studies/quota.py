@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-from gpt2numba.bench.core import wait_for_idle
+from gpt2numba.bench.core import in_turns
 
 WORKER = """
 import json, time
@@ -86,13 +86,11 @@ def main() -> int:
     steps = {name: [] for name, _, _ in conditions}
     where = {}
     try:
-        for r in range(args.rounds):
-            for name, threads, into in (conditions if r % 2 == 0 else conditions[::-1]):
-                wait_for_idle()
-                res = run(args, threads, into)
-                steps[name] += res["ms"]
-                where[name] = res["where"]
-                print(f"round {r + 1} {name}: {np.mean(res['ms']):.2f} ms/token", file=sys.stderr, flush=True)
+        for r, (name, threads, into) in in_turns(conditions, args.rounds):
+            res = run(args, threads, into)
+            steps[name] += res["ms"]
+            where[name] = res["where"]
+            print(f"round {r + 1} {name}: {np.mean(res['ms']):.2f} ms/token", file=sys.stderr, flush=True)
     finally:
         os.rmdir(directory)
     base = float(np.mean(steps["1 thread, no quota"]))

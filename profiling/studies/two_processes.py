@@ -29,7 +29,7 @@ import tempfile
 
 import numpy as np
 
-from gpt2numba.bench.core import wait_for_idle
+from gpt2numba.bench.core import in_turns
 
 WORKER = """
 import json, sys, time
@@ -93,15 +93,13 @@ def main() -> int:
     where = {}
     with tempfile.TemporaryDirectory() as claims:
         conditions = [("alone", 1, "off"), ("two, claims off", 2, "off"), ("two, claims on", 2, claims)]
-        for r in range(args.rounds):
-            for name, n, directory in (conditions if r % 2 == 0 else conditions[::-1]):
-                wait_for_idle()
-                results = run(n, directory, args)
-                for res in results:
-                    steps[name] += res["ms"]
-                where[name] = [res["where"] for res in results]
-                print(f"round {r + 1} {name}: " + ", ".join(f"{np.median(res['ms']):.1f}" for res in results)
-                      + " ms/token", file=sys.stderr, flush=True)
+        for r, (name, n, directory) in in_turns(conditions, args.rounds):
+            results = run(n, directory, args)
+            for res in results:
+                steps[name] += res["ms"]
+            where[name] = [res["where"] for res in results]
+            print(f"round {r + 1} {name}: " + ", ".join(f"{np.median(res['ms']):.1f}" for res in results)
+                  + " ms/token", file=sys.stderr, flush=True)
     alone = float(np.median(steps["alone"]))
     print(f"\nGPT-2 small, decode at context {args.context}, {args.threads} threads a process, "
           f"{args.rounds} rounds of {args.steps} steps, medians over every step of every process:")
@@ -123,13 +121,11 @@ def jobs(args) -> int:
         conditions = [("alone", 1, "off", False), ("alone, Numba's layer", 1, "off", True),
                       ("two, claims off", 2, "off", False), ("two, claims on", 2, claims, False),
                       ("two, Numba's layer", 2, "off", True)]
-        for r in range(args.rounds):
-            for name, n, directory, numba_layer in (conditions if r % 2 == 0 else conditions[::-1]):
-                wait_for_idle()
-                results = run(n, directory, args, numba_layer)
-                rates[name].append(sum(res["jobs_per_s"] for res in results))
-                where[name] = [res["where"] for res in results]
-                print(f"round {r + 1} {name}: {rates[name][-1]:.3f} jobs/s", file=sys.stderr, flush=True)
+        for r, (name, n, directory, numba_layer) in in_turns(conditions, args.rounds):
+            results = run(n, directory, args, numba_layer)
+            rates[name].append(sum(res["jobs_per_s"] for res in results))
+            where[name] = [res["where"] for res in results]
+            print(f"round {r + 1} {name}: {rates[name][-1]:.3f} jobs/s", file=sys.stderr, flush=True)
     alone = float(np.median(rates["alone"]))
     print(f"\nGPT-2 small, jobs of a prefill of {args.prompt} tokens and {args.steps} decode steps, "
           f"{args.jobs} a process, {args.threads} threads a process, {args.rounds} rounds, medians:")
