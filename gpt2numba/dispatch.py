@@ -56,8 +56,8 @@ class Choices(NamedTuple):
     nibble_vnni: tuple[int, ...]  # vector bits of the vpdpbusd that multiplies int4's nibbles in _dot_row
     tile_vnni: int  # bits of the vpdpbusd of the integer tiles' quads (inttiles.QUADS); 0: pmaddwd's pairs
     rows_max: int  # float32 rows up to which _linear_rows runs, not BLAS
-    bf16_rows_max: int  # the same for bfloat16
-    head_rows_max: int  # rows up to which the head is _head_rows, not BLAS
+    bf16_rows_max: int  # bfloat16 rows up to which _rows_product runs, not BLAS on the widened matrix
+    head_rows_max: int  # rows up to which the head is _rows_product, not BLAS
     int_rows_max: int  # int8 rows up to which intkernels._int_rows runs, not the tiles
     int4_rows_max: int  # the same for int4
 
@@ -77,7 +77,8 @@ def choose(features: frozenset[str] | None) -> Choices:
         madd_width=madd_width, byte_madd=byte_madd, nibble_vnni=nibble_vnni, tile_vnni=tile_vnni,
         # AVX2: BLAS took 0.88x the kernel's time at 2 rows, 1.04-1.08x at 3, 0.93-0.97x at 4; AVX-512: 64 won
         rows_max=64 if avx512 else 3,
-        # AVX2: BLAS on the widened matrix took 1.25x the kernel's time at 4 rows, 1.17x at 6, 0.97x at 8
+        # AVX2: BLAS on the widened matrix took 1.25x the kernel's time at 4 rows, 1.17x at 6, 0.97x at 8 (the kernel
+        # before bfloat16 was kept [out, in]); AVX-512: 8.0-8.2 ms a layer at 64 rows, BLAS 10.3 at 80
         bf16_rows_max=64 if avx512 else 7,
         # AVX2: BLAS took 1.01-1.02x at 8 rows, 0.97-1.02x at 12; AVX-512: the kernel 1.6x as fast at 8
         head_rows_max=16 if avx512 else 10,

@@ -1,8 +1,9 @@
 """Numba kernels of the matrix products: the blocks' linear layers and the tied output head.
 
 Private and unchecked, as kernels.py (whose shapes and conventions these share). Weights
-are float32, or bfloat16 bits as uint16 (read directly, widened in registers, by one row
-and a few; widened one matrix at a time for BLAS by many). The integer formats' own
+are float32 in the model's layout, or bfloat16 bits as uint16 kept [out, in] (compact.py): read
+directly, widened in registers, by one row and a few; widened one matrix at a time for BLAS
+by many. The integer formats' own
 products are in intkernels.py; their heads over many rows are here, beside bfloat16's.
 Every parallel kernel hands out its chunks from an atomic counter (chunks.py).
 """
@@ -21,10 +22,11 @@ from .kernels import FASTMATH, _as_float32, _exp_inplace
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _linear(x, w, b, scratch, out, accumulate, n_chunks, split_k):
-    """out = x @ w + b, or out += x @ w + b when ``accumulate`` (a residual add).
+def _linear(x, w, b, scratch, out, accumulate, n_chunks, split_k, out_in):
+    """out = x @ W + b, or out += x @ W + b when ``accumulate`` (a residual add).
 
-    x: (T, K); w: (K, N); b: (N,); out: (T, N); scratch: flat float32, at least
+    x: (T, K); w: W (K, N), or W.T (N, K) when ``out_in`` (bfloat16's layout, widened: BLAS
+    reads it transposed); b: (N,); out: (T, N); scratch: flat float32, at least
     n_chunks * T * N elements when ``split_k``, else T * N. Each chunk is a
     single-threaded BLAS product: with split_k, a span of w's rows into partial
     sums, so each thread streams its own part of the weights (few tokens, where
@@ -32,14 +34,14 @@ def _linear(x, w, b, scratch, out, accumulate, n_chunks, split_k):
     flops are).
     """
     T, K = x.shape
-    N = w.shape[1]
+    N = w.shape[0] if out_in else w.shape[1]
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
     if not split_k:
         product = scratch[: T * N].reshape(T, N)
         for _ in prange(n_chunks):
             for c in _claimed(nxt, n_chunks):
                 start, end = _span(c, n_chunks, T, 1)
-                _gemm(x[start:end], w, product[start:end], False)
+                _gemm(x[start:end], w, product[start:end], out_in)
                 for i in range(start, end):
                     for j in range(N):
                         s = product[i, j] + b[j]
@@ -49,7 +51,9 @@ def _linear(x, w, b, scratch, out, accumulate, n_chunks, split_k):
     for _ in prange(n_chunks):
         for c in _claimed(nxt, n_chunks):
             start, end = _span(c, n_chunks, K, 1)
-            if start < end:
+            if start < end and out_in:
+                _gemm(x[:, start:end], w[:, start:end], partial[c], True)
+            elif start < end:
                 _gemm(x[:, start:end], w[start:end], partial[c], False)
             else:
                 partial[c] = 0.0
@@ -75,40 +79,69 @@ def _sum_partials(partial, b, out, accumulate, start, end):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _head_rows(wte, h, out, n_chunks):
-    """Tied output head for a few rows: out = h @ W.T, W = widen(wte), read as stored.
+def _rows_product(w, x, b, out, accumulate, n_chunks):
+    """out (+)= x @ W.T (+ b) for a few rows, W = widen(w) read as stored: a matrix kept [out, in] (bfloat16's
+    in a block, or the tied head's wte, float32 or bfloat16 bits).
 
-    wte: (V, C) float32 or bfloat16 bits; h: (R, C); out: (R, V). A chunk is a span of
-    vocabulary rows, streamed four at a time, every row's dot products taken with them while
-    they are in cache.
+    w: (N, K); x: (R, K); b: (N,) or None; out: (R, N). A chunk is a span of W's rows (outputs). One row of
+    x takes a dot product per row of W (_dot_rows); more take W's rows four at a time, every row of x with
+    them while they are in cache (_dots).
     """
-    V = wte.shape[0]
+    N = w.shape[0]
+    R = x.shape[0]
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
     for _ in prange(n_chunks):
         for c in _claimed(nxt, n_chunks):
-            start, end = _span(c, n_chunks, V, 4)
-            for v in range(start, end - 3, 4):
-                _head_dots(h, wte, v, 4, out)
-            for v in range(end - (end - start) % 4, end):
-                _head_dots(h, wte, v, 1, out)
+            start, end = _span(c, n_chunks, N, 16)
+            if R == 1:
+                _dot_rows(w, x, b, out, accumulate, start, end)
+            else:
+                for v in range(start, end - 3, 4):
+                    _dots(x, w, v, 4, b, out, accumulate)
+                for v in range(end - (end - start) % 4, end):
+                    _dots(x, w, v, 1, b, out, accumulate)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _head_dots(h, wte, v, n, out):
-    """out[:, v:v+n] = h @ W[v:v+n].T for n = 4 vocabulary rows, or 1 (the last ones)."""
-    R, C = h.shape
-    w0, w1, w2, w3 = wte[v], wte[v + n // 4], wte[v + 2 * (n // 4)], wte[v + 3 * (n // 4)]
+def _dot_rows(w, x, b, out, accumulate, start, end):
+    """out[0, v] (+)= W[v] . x[0] (+ b[v]) for v in start..end-1, W = widen(w). For float32 it streamed GPT-2
+    small's wte in 4.34 ms where BLAS's matrix-vector product per chunk took 5.59 (2 threads, AMD EPYC Zen 4,
+    alternating, medians of 15)."""
+    K = x.shape[1]
+    for v in range(start, end):
+        row = w[v]
+        s = np.float32(0.0)
+        for k in range(K):
+            s += _widen(row[k]) * x[0, k]
+        _put(out, 0, v, s, b, accumulate)
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def _dots(x, w, v, n, b, out, accumulate):
+    """out[:, v:v+n] (+)= x @ W[v:v+n].T (+ b) for n = 4 rows of W, or 1 (the last ones)."""
+    R, K = x.shape
+    w0, w1, w2, w3 = w[v], w[v + n // 4], w[v + 2 * (n // 4)], w[v + 3 * (n // 4)]
     for r in range(R):
-        x = h[r]
+        xr = x[r]
         s0 = s1 = s2 = s3 = np.float32(0.0)
-        for c in range(C):
-            s0 += x[c] * _widen(w0[c])
-            s1 += x[c] * _widen(w1[c])
-            s2 += x[c] * _widen(w2[c])
-            s3 += x[c] * _widen(w3[c])
-        out[r, v] = s0
+        for k in range(K):
+            s0 += xr[k] * _widen(w0[k])
+            s1 += xr[k] * _widen(w1[k])
+            s2 += xr[k] * _widen(w2[k])
+            s3 += xr[k] * _widen(w3[k])
+        _put(out, r, v, s0, b, accumulate)
         if n == 4:
-            out[r, v + 1], out[r, v + 2], out[r, v + 3] = s1, s2, s3
+            _put(out, r, v + 1, s1, b, accumulate)
+            _put(out, r, v + 2, s2, b, accumulate)
+            _put(out, r, v + 3, s3, b, accumulate)
+
+
+@njit(cache=True, nogil=True)
+def _put(out, r, v, s, b, accumulate):
+    """out[r, v] (+)= s (+ b[v]); b: (N,) or None."""
+    if b is not None:
+        s += b[v]
+    out[r, v] = out[r, v] + s if accumulate else s
 
 
 # Vocabulary rows per step of the head over several rows: a (HEAD_CHUNK, C) slice
@@ -149,7 +182,7 @@ def _rows_update(x, t, u, k, w, lo, hi, a, b):
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
 def _linear_rows(x, w, b, scratch, out, accumulate, n_chunks):
-    """out (+)= x @ W + b for a few rows, reading W as stored: float32 or bfloat16 bits.
+    """out (+)= x @ W + b for a few rows, reading float32 W as stored.
 
     x: (T, K), K a multiple of 8; w: (K, N); b: (N,); out: (T, N); scratch: flat float32 of at
     least (T + 1) * N. A chunk is a span of columns (whole cache lines), its part of w streamed
@@ -176,93 +209,32 @@ def _linear_rows(x, w, b, scratch, out, accumulate, n_chunks):
 
 @njit(cache=True, nogil=True, parallel=True)
 def _head(wte, h, out, n_chunks):
-    """Tied output head: out = h @ wte.T.
+    """Tied output head over many rows: out = h @ W.T, W = widen(wte). (A few rows: _rows_product.)
 
-    wte: (V, C); h: (R, C); out: (R, V). A chunk is a span of vocabulary rows: for one row
-    a dot product per vocabulary row (_head_one_row), else a BLAS product per HEAD_CHUNK of them.
+    wte: (V, C) float32 or bfloat16 bits; h: (R, C); out: (R, V). A chunk is a span of vocabulary
+    rows, HEAD_CHUNK at a time one BLAS product: float32 as stored, bfloat16 widened first.
     """
     V = wte.shape[0]
-    R = h.shape[0]
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
     for _ in prange(n_chunks):
         for c in _claimed(nxt, n_chunks):
             start, end = _span(c, n_chunks, V, 1)
-            if R == 1:
-                _head_one_row(wte, h, out, start, end)
-            else:
-                for c0 in range(start, end, HEAD_CHUNK):
-                    c1 = min(end, c0 + HEAD_CHUNK)
-                    _gemm(h, wte[c0:c1], out[:, c0:c1], True)
+            _head_span(wte, h, start, end, out)
 
 
-# --- compact weights (see compact.py): bfloat16 bits as uint16 -----------------------------------
+def _head_span(wte, h, lo, hi, out):
+    """out[:, lo:hi] = h @ W[lo:hi].T, HEAD_CHUNK vocabulary rows at a time."""
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _gemv_bf16(x, w, b, scratch, out, accumulate, n_chunks):
-    """out (+)= x @ w + b for one token, w bfloat16.
-
-    x: (1, K); w: uint16 (K, N); b: (N,); out: (1, N); scratch: flat float32 of
-    at least n_chunks * N. A chunk is a span of w's rows, summed into a partial row of its own.
-    """
-    K, N = w.shape
-    partial = scratch[: n_chunks * N].reshape(n_chunks, N)
-    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
-    for _ in prange(n_chunks):
-        for c in _claimed(nxt, n_chunks):
-            start, end = _span(c, n_chunks, K, 1)
-            acc = partial[c]
-            acc[:] = 0.0
-            for k in range(start, end):
-                row = w[k]
-                xk = x[0, k]
-                for j in range(N):
-                    acc[j] += xk * _as_float32(np.uint32(row[j]) << 16)
-    _reduce(partial, b, out, accumulate)
-
-
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _reduce(partial, b, out, accumulate):
-    """out[0] (+)= b + the sum of partial's rows. partial: (n_chunks, N)."""
-    for j in range(out.shape[1]):
-        s = b[j]
-        for c in range(partial.shape[0]):
-            s += partial[c, j]
-        out[0, j] = out[0, j] + s if accumulate else s
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _head_compact(wte, h, out, n_chunks):
-    """out = h @ W.T for bfloat16 bits wte (V, C); h: (R, C); out: (R, V). (The integer formats' heads
-    multiply in integers: products.integer_matmul.)
-
-    A chunk is a span of vocabulary rows. One row: a dot product per vocabulary row, widened in
-    registers (_head_one_row). More: HEAD_CHUNK vocabulary rows at a time widened, then BLAS.
-    """
-    V = wte.shape[0]
-    R = h.shape[0]
-    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
-    for _ in prange(n_chunks):
-        for c in _claimed(nxt, n_chunks):
-            start, end = _span(c, n_chunks, V, 1)
-            if R == 1:
-                _head_one_row(wte, h, out, start, end)
-            else:
-                _head_widened(wte, h, start, end, out)
-
-
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _head_one_row(wte, h, out, start, end):
-    """out[0, v] = wte[v] . h[0] for v in start..end-1, wte read as stored (float32, or bfloat16 bits widened
-    in registers). For float32 it streamed GPT-2 small's wte in 4.34 ms where BLAS's matrix-vector product
-    per chunk took 5.59 (2 threads, AMD EPYC Zen 4, alternating, medians of 15)."""
-    C = h.shape[1]
-    for v in range(start, end):
-        row = wte[v]
-        s = np.float32(0.0)
-        for k in range(C):
-            s += _widen(row[k]) * h[0, k]
-        out[0, v] = s
+@overload(_head_span, inline="always")
+def _head_span_typed(wte, h, lo, hi, out):
+    if wte.dtype == types.float32:
+        def as_stored(wte, h, lo, hi, out):
+            for c0 in range(lo, hi, HEAD_CHUNK):
+                c1 = min(hi, c0 + HEAD_CHUNK)
+                _gemm(h, wte[c0:c1], out[:, c0:c1], True)
+        return as_stored
+    return lambda wte, h, lo, hi, out: _head_widened(wte, h, lo, hi, out)
 
 
 @njit(cache=True, nogil=True)
@@ -377,12 +349,12 @@ def _head_log_softmax(wte, scale, inputs, targets, logprob, best, n_chunks):
 
 @njit(cache=True, nogil=True, parallel=True)
 def _expand_bf16(w, out):
-    """out = float32 values of bfloat16 w. w: uint16 (K, N); out: (K, N)."""
-    K, N = w.shape
+    """out = float32 values of bfloat16 w. w: uint16 (N, K); out: (N, K)."""
+    N, K = w.shape
     nxt = np.zeros(1, np.int64)  # the next chunk of rows (chunks.py)
     for _ in prange(ROW_CHUNKS):
         for c in _claimed(nxt, ROW_CHUNKS):
-            start, end = _span(c, ROW_CHUNKS, K, 1)
-            for k in range(start, end):
-                for j in range(N):
-                    out[k, j] = _as_float32(np.uint32(w[k, j]) << 16)
+            start, end = _span(c, ROW_CHUNKS, N, 1)
+            for n in range(start, end):
+                for k in range(K):
+                    out[n, k] = _as_float32(np.uint32(w[n, k]) << 16)

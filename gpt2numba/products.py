@@ -2,7 +2,7 @@
 buffers a pass works in (kept per thread and weights, only ever grown).
 
 Every product reads its matrix as stored: float32 through BLAS or, for a few rows, as is
-(matkernels); bfloat16 widened in registers, or once into a dense buffer for many rows; int8 and
+(matkernels); bfloat16 ([out, in]) widened in registers, or once into a dense buffer for many rows; int8 and
 int4 in integers (intkernels for a few rows, inttiles' tiles for more), the inputs rounded to int8
 per group. The thresholds between them are dispatch.py's.
 """
@@ -21,7 +21,7 @@ from .config import GPT2Config
 from .dispatch import BF16_ROWS_MAX, HEAD_ROWS_MAX, INT4_ROWS_MAX, INT_ROWS_MAX, ROWS_MAX
 from .intkernels import _int_matmul
 from .kernels import attend_width
-from .matkernels import _expand_bf16, _gemv_bf16, _head, _head_compact, _head_rows, _linear, _linear_rows
+from .matkernels import _expand_bf16, _head, _linear, _linear_rows, _rows_product
 from .weights import GPT2Weights
 
 
@@ -32,18 +32,19 @@ def matmul(x, field, layer, b, out, accumulate, w, work, n_chunks):
     if w.scales:
         integer_matmul(x, matrix, w.scales[field][layer], b, out, accumulate, work, n_chunks)
         return
+    if w.dtype == "bfloat16" and T <= BF16_ROWS_MAX:  # few rows read the bfloat16 matrix [out, in] itself
+        _rows_product(matrix, x, b, out, accumulate, n_chunks)
+        return
     scratch = work.scratch(T, n_chunks)
     split_k, blas_chunks = dispatch.split_k(T), dispatch.blas_chunks(T, n_chunks)
-    if 2 <= T <= (ROWS_MAX if w.dtype == "float32" else BF16_ROWS_MAX) and K % 8 == 0:  # few rows: as stored
+    if w.dtype == "float32" and 2 <= T <= ROWS_MAX and K % 8 == 0:  # few rows: as stored
         _linear_rows(x, matrix, b, scratch, out, accumulate, n_chunks)
     elif w.dtype == "float32":
-        _linear(x, matrix, b, scratch, out, accumulate, blas_chunks, split_k)
-    elif T == 1:  # one row reads the bfloat16 matrix itself
-        _gemv_bf16(x, matrix, b, scratch, out, accumulate, n_chunks)
+        _linear(x, matrix, b, scratch, out, accumulate, blas_chunks, split_k, False)
     else:  # many rows: widen the matrix once, then multiply as float32
         dense = work.dense(matrix.shape)
         _expand_bf16(matrix, dense)
-        _linear(x, dense, b, scratch, out, accumulate, blas_chunks, split_k)
+        _linear(x, dense, b, scratch, out, accumulate, blas_chunks, split_k, True)
 
 
 def integer_matmul(x, q, scale, b, out, accumulate, work, n_chunks):
@@ -67,12 +68,10 @@ def head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, n_chunks: int
     if w.scales:
         work = workspace(w, R, numba.get_num_threads())
         integer_matmul(h, w.wte, w.scales["wte"], None, logits, False, work, n_chunks)
-    elif 2 <= R <= HEAD_ROWS_MAX:
-        _head_rows(w.wte, h, logits, n_chunks)
-    elif w.dtype == "float32":
-        _head(w.wte, h, logits, n_chunks)
+    elif R <= HEAD_ROWS_MAX:
+        _rows_product(w.wte, h, None, logits, False, n_chunks)
     else:
-        _head_compact(w.wte, h, logits, n_chunks)
+        _head(w.wte, h, logits, n_chunks)
 
 
 def head_inputs(w: GPT2Weights, h: np.ndarray):

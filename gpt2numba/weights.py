@@ -58,10 +58,10 @@ class GPT2Weights:
 
     Per-layer kinds are stacked on a leading layer axis (L = n_layer, C = n_embd,
     V = vocab_size, P = n_positions); matrices are [in, out], so ``x @ w + b``.
-    The output head is tied: logits = ln_f(x) @ wte.T. With ``dtype`` "bfloat16"
-    the matrices (wte and the blocks' four) hold bfloat16 bits as uint16; with
-    "int8" or "int4" they are stored [out, in] as int8 or as packed nibbles (uint8;
-    int4 keeps wte in int8), and ``scales`` maps each to its float32 per-group
+    The output head is tied: logits = ln_f(x) @ wte.T. The compact formats store
+    the matrices (wte and the blocks' four) [out, in]: "bfloat16" as bfloat16 bits
+    in uint16, "int8" or "int4" as int8 or as packed nibbles (uint8; int4 keeps wte
+    in int8), and ``scales`` maps each integer matrix to its float32 per-group
     scales (see compact.py).
     ``matrix(field)`` gives any of them as float32 in the layout above.
     Everything else is float32 always.
@@ -204,7 +204,8 @@ def load_weights(path: str | Path, dtype: str = "float32") -> GPT2Weights:
     tensors are read, and the int8 and int4 files save_weights writes; ``dtype``
     says how the matrices are kept ("float32", "bfloat16", "int8" or "int4", see
     compact.py), one tensor at a time, never the whole model in float32 on the
-    way; a file read in its own format (bfloat16, int8, int4) is copied as it is.
+    way; a file read in its own format (bfloat16, int8, int4) is copied as it is
+    (bfloat16's block matrices turned [out, in]).
 
     Raises CheckpointNotFoundError for a missing path and CheckpointError for an
     unreadable file, a missing, mis-shaped or non-finite tensor, an untied
@@ -326,7 +327,8 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
               for field, shape in _field_shapes(config) if field in MATRICES} if dtype in INTEGER else None
     for name, (field, layer, model_shape) in expected.items():
         got, kind = shape(name[len(prefix):]), _FILE_FORMATS.get(reader.dtype(name))
-        want = compact.stored_shape(field, model_shape, kind) if kind and field in MATRICES else model_shape
+        # bfloat16 files keep the model's layout; int8 and int4 ones ours
+        want = compact.stored_shape(field, model_shape, kind) if kind in INTEGER and field in MATRICES else model_shape
         if got != want:
             raise CheckpointError(f"tensor {name!r} has shape {list(got)}, expected {list(want)}")
         at = ... if layer is None else layer
@@ -334,11 +336,14 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
             reader.read_into(name, arrays[field][at])
             _check_finite(name, arrays[field][at])
         elif kind == compact.format_of(field, dtype):  # as stored
-            reader.read_stored(name, arrays[field][at])
             if dtype in INTEGER:
+                reader.read_stored(name, arrays[field][at])
                 _read_scale(f, reader, name, scales[field][at])
-            else:
-                _check_finite(name, compact.from_bfloat16(arrays[field][at]))
+            else:  # bfloat16 bits, turned [out, in]
+                bits = np.empty(model_shape, np.uint16)
+                reader.read_stored(name, bits)
+                _check_finite(name, compact.from_bfloat16(bits))
+                arrays[field][at] = compact.to_rows(field, bits)
         else:  # through float32, one tensor at a time
             values = _read_float32(f, reader, name, field, model_shape)
             _check_finite(name, values)
@@ -444,7 +449,7 @@ def save_weights(w: GPT2Weights, path: str | Path, dtype: str | None = None) -> 
     if dtype == "bfloat16":
         import ml_dtypes
 
-        stored = {field: getattr(w, field).view(ml_dtypes.bfloat16) for field in MATRICES}
+        stored = {field: compact.from_rows(field, getattr(w, field)).view(ml_dtypes.bfloat16) for field in MATRICES}
     elif dtype in INTEGER:
         stored = {field: getattr(w, field) for field in MATRICES}
     else:

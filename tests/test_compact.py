@@ -74,14 +74,17 @@ def test_int4_nibble_order():
 groups = st.integers(1, 4).map(lambda n: n * compact.GROUP)
 
 
-@given(K=st.integers(1, 300), N=st.integers(1, 70), n_chunks=st.integers(1, 3), accumulate=st.booleans(),
-       seed=st.integers(0, 2**32 - 1))
-def test_gemv_bfloat16(K, N, n_chunks, accumulate, seed):
+@given(T=st.integers(1, 9), K=st.integers(1, 300), N=st.integers(1, 70), n_chunks=st.integers(1, 3),
+       accumulate=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_rows_product_bfloat16(T, K, N, n_chunks, accumulate, seed):
+    """One row and a few against a block's bfloat16 matrix read as stored, [out, in]: one dot product per
+    output, four outputs at a time and the tail, more chunks than outputs."""
     rng = np.random.default_rng(seed)
-    stored = compact.to_bfloat16(randn(rng, K, N))
-    x, b, out = randn(rng, 1, K), randn(rng, N), randn(rng, 1, N)
-    ref = (out.astype(np.float64) if accumulate else 0) + x @ compact.from_bfloat16(stored) + b
-    matkernels._gemv_bf16(x, stored, b, np.empty(n_chunks * N, np.float32), out, accumulate, n_chunks)
+    stored, _ = compact.compress("c_fc_w", randn(rng, K, N), "bfloat16")
+    assert stored.shape == (N, K)
+    x, b, out = randn(rng, T, K), randn(rng, N), randn(rng, T, N)
+    ref = (out.astype(np.float64) if accumulate else 0) + x @ compact.expand("c_fc_w", stored, None) + b
+    matkernels._rows_product(stored, x, b, out, accumulate, n_chunks)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -289,25 +292,14 @@ def test_integer_kernels_use_vnni_where_the_cpu_has_it(cpu, tmp_path):
 def test_head_bfloat16(V, C, R, n_chunks, seed):
     def head(stored, scale, h, out):
         with threadpool_limits(1, user_api="blas"):
-            matkernels._head_compact(stored, h, out, n_chunks)
+            matkernels._head(stored, h, out, n_chunks)
     check_head(head, V, C, R, "bfloat16", seed)
 
 
-@given(T=st.integers(2, 7), K=st.integers(1, 12).map(lambda n: 8 * n), N=st.integers(1, 70),
-       n_chunks=st.integers(1, 3), accumulate=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_linear_rows_bfloat16(T, K, N, n_chunks, accumulate, seed):
-    """A few rows against the bfloat16 matrix read as stored."""
-    rng = np.random.default_rng(seed)
-    stored = compact.to_bfloat16(randn(rng, K, N))
-    x, b, out = randn(rng, T, K), randn(rng, N), randn(rng, T, N)
-    ref = (out.astype(np.float64) if accumulate else 0) + x @ compact.from_bfloat16(stored) + b
-    matkernels._linear_rows(x, stored, b, np.empty((T + 1) * N, np.float32), out, accumulate, n_chunks)
-    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
-
-
-@given(V=st.integers(1, 60), C=groups, R=st.integers(2, 5), n_chunks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+@given(V=st.integers(1, 60), C=groups, R=st.integers(1, 5), n_chunks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_head_rows_bfloat16(V, C, R, n_chunks, seed):
-    check_head(lambda stored, scale, h, out: matkernels._head_rows(stored, h, out, n_chunks), V, C, R, "bfloat16", seed)
+    check_head(lambda stored, scale, h, out: matkernels._rows_product(stored, h, None, out, False, n_chunks),
+               V, C, R, "bfloat16", seed)
 
 
 def check_head(head, V, C, R, dtype, seed):
@@ -319,12 +311,13 @@ def check_head(head, V, C, R, dtype, seed):
     np.testing.assert_allclose(out, h @ compact.expand("wte", stored, scale).T, atol=1e-4, rtol=1e-4)
 
 
-@given(K=groups, N=st.integers(1, 70), seed=st.integers(0, 2**32 - 1))
+@given(K=st.integers(1, 150), N=st.integers(1, 70), seed=st.integers(0, 2**32 - 1))
 def test_expand_bfloat16(K, N, seed):
+    """A block's bfloat16 matrix, kept [out, in], widened as it is."""
     stored, _ = compact.compress("c_fc_w", randn(np.random.default_rng(seed), K, N), "bfloat16")
-    out = np.empty((K, N), np.float32)
+    out = np.empty((N, K), np.float32)
     matkernels._expand_bf16(stored, out)
-    np.testing.assert_array_equal(out, compact.expand("c_fc_w", stored, None))
+    np.testing.assert_array_equal(out, compact.expand("c_fc_w", stored, None).T)
 
 
 # --- the engine on compact weights ---------------------------------------------------------------
@@ -403,11 +396,18 @@ def test_load_as_compact(tmp_path, file_dtype, dtype):
 
 
 def test_bfloat16_file_loads_as_it_is(tmp_path):
-    w = g.random_weights(TINY, seed=3)
-    loaded = g.load_weights(write_dir(w, tmp_path, "bfloat16"), dtype="bfloat16")
+    """A bfloat16 file in the model's layout, as any GPT-2 loader writes it: its bits, turned [out, in];
+    and save_weights writes bfloat16 in that layout again."""
     import ml_dtypes
+    from safetensors.numpy import load_file
 
-    np.testing.assert_array_equal(loaded.c_fc_w, w.c_fc_w.astype(ml_dtypes.bfloat16).view(np.uint16))
+    w = g.random_weights(TINY, seed=3)
+    loaded = g.load_weights(write_dir(w, tmp_path / "in", "bfloat16"), dtype="bfloat16")
+    bits = w.c_fc_w.astype(ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(loaded.c_fc_w, np.swapaxes(bits, 1, 2))
+    g.save_weights(loaded, tmp_path / "out")
+    saved = load_file(str(tmp_path / "out" / "model.safetensors"))["transformer.h.1.mlp.c_fc.weight"]
+    np.testing.assert_array_equal(saved.view(np.uint16), bits[1])
 
 
 @pytest.mark.parametrize("dtype", COMPACT)

@@ -181,15 +181,17 @@ def test_attention_plan(counts, n_head, n_chunks, seed):
 
 
 @given(T=st.integers(1, 12), K=dims, N=dims, n_chunks=st.integers(1, 3), split_k=st.booleans(),
-       accumulate=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_linear(T, K, N, n_chunks, split_k, accumulate, seed):
-    """out (+)= x @ w + b, whichever way the work is split, even into more blocks than rows."""
+       accumulate=st.booleans(), out_in=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_linear(T, K, N, n_chunks, split_k, accumulate, out_in, seed):
+    """out (+)= x @ w + b, whichever way the work is split, even into more blocks than rows; w given
+    [in, out] or [out, in]."""
     rng = np.random.default_rng(seed)
     x, w, b, out = randn(rng, T, K), randn(rng, K, N), randn(rng, N), randn(rng, T, N)
     ref = (out.astype(np.float64) if accumulate else 0) + x.astype(np.float64) @ w + b
     scratch = np.empty(n_chunks * T * N, np.float32)
     with threadpool_limits(1, user_api="blas"):
-        matkernels._linear(x, w, b, scratch, out, accumulate, n_chunks, split_k)
+        matkernels._linear(x, np.ascontiguousarray(w.T) if out_in else w, b, scratch, out, accumulate, n_chunks,
+                           split_k, out_in)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -204,13 +206,16 @@ def test_linear_rows(T, K, N, n_chunks, accumulate, seed):
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
-@given(V=st.integers(1, 60), C=dims, R=st.integers(1, 5), n_chunks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
-def test_head_rows(V, C, R, n_chunks, seed):
-    """The few-rows head: four vocabulary rows at a time and the one-by-one tail."""
+@given(V=st.integers(1, 60), C=dims, R=st.integers(1, 5), bias=st.booleans(), accumulate=st.booleans(),
+       n_chunks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_rows_product(V, C, R, bias, accumulate, n_chunks, seed):
+    """The few-rows product against a matrix [out, in] (the head's wte): one dot product per output for
+    one row, four outputs at a time and the one-by-one tail for more; with a bias or none, added or not."""
     rng = np.random.default_rng(seed)
-    wte, h, out = randn(rng, V, C), randn(rng, R, C), np.empty((R, V), np.float32)
-    matkernels._head_rows(wte, h, out, n_chunks)
-    np.testing.assert_allclose(out, h.astype(np.float64) @ wte.T, atol=1e-4, rtol=1e-4)
+    wte, h, out, b = randn(rng, V, C), randn(rng, R, C), randn(rng, R, V), randn(rng, V)
+    ref = (out.astype(np.float64) if accumulate else 0) + h.astype(np.float64) @ wte.T + (b if bias else 0)
+    matkernels._rows_product(wte, h, b if bias else None, out, accumulate, n_chunks)
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
 @given(V=st.integers(1, 1300), C=dims, R=st.integers(1, 5), n_chunks=st.integers(1, 3),
