@@ -25,8 +25,8 @@ from .kernels import FASTMATH, _as_float32, _exp_inplace
 def _linear(x, w, b, scratch, out, accumulate, n_chunks, split_k, out_in):
     """out = x @ W + b, or out += x @ W + b when ``accumulate`` (a residual add).
 
-    x: (T, K); w: W (K, N), or W.T (N, K) when ``out_in`` (bfloat16's layout, widened: BLAS
-    reads it transposed); b: (N,); out: (T, N); scratch: flat float32, at least
+    x: (T, K); w: W (K, N), or W.T (N, K) when ``out_in`` (bfloat16's layout, widened; not with
+    split_k), which BLAS reads transposed; b: (N,); out: (T, N); scratch: flat float32, at least
     n_chunks * T * N elements when ``split_k``, else T * N. Each chunk is a
     single-threaded BLAS product: with split_k, a span of w's rows into partial
     sums, so each thread streams its own part of the weights (few tokens, where
@@ -51,9 +51,7 @@ def _linear(x, w, b, scratch, out, accumulate, n_chunks, split_k, out_in):
     for _ in prange(n_chunks):
         for c in _claimed(nxt, n_chunks):
             start, end = _span(c, n_chunks, K, 1)
-            if start < end and out_in:
-                _gemm(x[:, start:end], w[:, start:end], partial[c], True)
-            elif start < end:
+            if start < end:
                 _gemm(x[:, start:end], w[start:end], partial[c], False)
             else:
                 partial[c] = 0.0

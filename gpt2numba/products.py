@@ -41,10 +41,10 @@ def matmul(x, field, layer, b, out, accumulate, w, work, n_chunks):
         _linear_rows(x, matrix, b, scratch, out, accumulate, n_chunks)
     elif w.dtype == "float32":
         _linear(x, matrix, b, scratch, out, accumulate, blas_chunks, split_k, False)
-    else:  # many rows: widen the matrix once, then multiply as float32
+    else:  # many rows: widen the matrix once, then BLAS reads it transposed, a span of the rows a thread
         dense = work.dense(matrix.shape)
         _expand_bf16(matrix, dense)
-        _linear(x, dense, b, scratch, out, accumulate, blas_chunks, split_k, True)
+        _linear(x, dense, b, scratch, out, accumulate, n_chunks // dispatch.CHUNKS_PER_THREAD, False, True)
 
 
 def integer_matmul(x, q, scale, b, out, accumulate, work, n_chunks):

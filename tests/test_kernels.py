@@ -191,7 +191,7 @@ def test_linear(T, K, N, n_chunks, split_k, accumulate, out_in, seed):
     scratch = np.empty(n_chunks * T * N, np.float32)
     with threadpool_limits(1, user_api="blas"):
         matkernels._linear(x, np.ascontiguousarray(w.T) if out_in else w, b, scratch, out, accumulate, n_chunks,
-                           split_k, out_in)
+                           split_k and not out_in, out_in)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
