@@ -36,15 +36,14 @@ def matmul(x, field, layer, b, out, accumulate, w, work, n_chunks):
         _rows_product(matrix, x, b, out, accumulate, n_chunks)
         return
     scratch = work.scratch(T, n_chunks)
-    split_k, blas_chunks = dispatch.split_k(T), dispatch.blas_chunks(T, n_chunks)
-    if w.dtype == "float32" and 2 <= T <= ROWS_MAX and K % 8 == 0:  # few rows: as stored
-        _linear_rows(x, matrix, b, scratch, out, accumulate, n_chunks)
-    elif w.dtype == "float32":
-        _linear(x, matrix, b, scratch, out, accumulate, blas_chunks, split_k, False)
-    else:  # many rows: widen the matrix once, then BLAS reads it transposed, a span of the rows a thread
+    if w.dtype == "bfloat16":  # many rows: widen the matrix once; BLAS reads it transposed, a span of rows a thread
         dense = work.dense(matrix.shape)
         _expand_bf16(matrix, dense)
         _linear(x, dense, b, scratch, out, accumulate, n_chunks // dispatch.CHUNKS_PER_THREAD, False, True)
+    elif 2 <= T <= ROWS_MAX and K % 8 == 0:  # float32, few rows: as stored
+        _linear_rows(x, matrix, b, scratch, out, accumulate, n_chunks)
+    else:
+        _linear(x, matrix, b, scratch, out, accumulate, dispatch.blas_chunks(T, n_chunks), dispatch.split_k(T), False)
 
 
 def integer_matmul(x, q, scale, b, out, accumulate, work, n_chunks):
