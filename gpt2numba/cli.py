@@ -350,8 +350,10 @@ def _check(args) -> int:
             steps.append(decode_step(ids[-1], w, mc))
             decode_s.append(time.perf_counter() - t)
         runs.append((ids, steps, prefill_s, decode_s))
-    from . import pool
+    from . import pool, threadlayer
     print(f"parallel regions: {pool.describe()}")  # the threads, their pinning (settled by now), what failed of it
+    if pool.enabled():  # (off, the regions' own line names the layer)
+        print(f"beneath the pool: {threadlayer.describe()}")
     # the same prompts again as one batch: one prefill_batch, then decode_batch steps
     caches = [ModelCache(cfg, max_len=max_len, dtype=args.kv_dtype) for _ in prompts]
     t = time.perf_counter()

@@ -18,12 +18,10 @@ Shapes: N = rows, B = sequences, C = n_embd, V = vocab_size.
 
 from __future__ import annotations
 
-import os
-
 import numba
 import numpy as np
 
-from . import checks, compact, dispatch, kvcache, pool
+from . import checks, compact, dispatch, kvcache, pool, threadlayer
 from .errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
 from .kernels import _attend, _attention_plan, _gelu, _layernorm, _write_kv
 from .products import head_logits, matmul, one_blas_thread, workspace
@@ -122,25 +120,7 @@ def get_threads() -> int:
     return numba.get_num_threads()
 
 
-def _passive_openmp() -> None:
-    """Where Numba's threads will run on OpenMP (no TBB installed, or OpenMP chosen), make them
-    sleep at a barrier instead of spinning for milliseconds: on a busy machine a spinning thread
-    holds the core that a preempted one is waiting for (docs/performance.md, "A busy machine").
-    Set before Numba first loads OpenMP; a user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins."""
-    from importlib import metadata
-
-    layer = numba.config.THREADING_LAYER
-    try:
-        metadata.version("tbb")
-        tbb = True
-    except metadata.PackageNotFoundError:
-        tbb = False
-    if (layer == "omp" or not tbb and layer != "workqueue") and not (
-            {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)):
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-
-
-_passive_openmp()
+threadlayer.launch()  # TBB or workqueue beneath, never a second OpenMP runtime beside torch's (threadlayer.py)
 if pool.enabled():
     pool.install()
 
@@ -224,7 +204,7 @@ def forward_pass(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache
     written = np.repeat(pos0[:, None], cfg.n_layer, axis=1)  # (B, n_layer) positions each layer holds
     tiles, bounds = _attention_plan(row0, pos0, cfg.n_head, n_chunks)
     eps = cfg.layer_norm_epsilon
-    with pool.pinned(), one_blas_thread():
+    with threadlayer.turns(not pool.enabled()), pool.pinned(), one_blas_thread():
         for layer in range(cfg.n_layer):
             _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
             matmul(h, "c_attn_w", layer, w.c_attn_b[layer], qkv, False, w, work, n_chunks)

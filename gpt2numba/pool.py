@@ -43,6 +43,7 @@ import numpy as np
 from llvmlite import binding as ll
 from numba import njit, prange
 
+from . import threadlayer
 from .errors import ConfigError
 from .regions import (  # noqa: F401  (TIDS, RUNNING, MOVED, _rescue, _syscall, SYS_GETTID: for the tests)
     LAZY, MASK_WORDS, MAX_THREADS, MOVED, NWORK, PIN, PIN_FAILS, PROBE, PROBE_TS, RUNNING, SEEN, START,
@@ -78,7 +79,7 @@ def install() -> None:
     from numba.np.ufunc import parallel
 
     try:
-        parallel._launch_threads()  # Numba's layer first, whose symbols ours then replace
+        parallel._launch_threads()  # Numba's layer first (threadlayer.launch chose it); ours replace its symbols
     except Exception:  # no layer loads here: the first parallel kernel will say so, as without the pool
         return
     why = _untested_numba()
@@ -432,7 +433,7 @@ def describe() -> str:
     """Where this process's parallel regions run, for reports."""
     if not enabled():
         off = f" (gpt2numba's pool is off: {_off[0]})" if _off else ""
-        return f"Numba's {numba.threading_layer()} threading layer{off}"
+        return f"{threadlayer.describe()}{off}"
     n = int(_state[NWORK]) + 1
     out = f"gpt2numba's pool of {n} thread{'s' * (n > 1)}"
     if _sized:

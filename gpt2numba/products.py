@@ -9,6 +9,7 @@ per group. The thresholds between them are dispatch.py's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -166,6 +167,26 @@ def _blas_controller():
     return ThreadpoolController()
 
 
+_blas_lock = threading.Lock()
+_blas_limit: list = []  # [threadpoolctl's limiter, passes inside it] while any pass runs
+
+
+@contextlib.contextmanager
 def one_blas_thread():
-    """Every BLAS library limited to one thread for the duration: our Numba threads are the parallelism."""
-    return _blas_controller().limit(limits=1, user_api="blas")
+    """Every BLAS library limited to one thread while any pass runs: our Numba threads are the parallelism.
+
+    One limit for all passes at once, set by the first to enter and lifted by the last to leave: each pass
+    limiting and restoring on its own would, with two threads' passes overlapping, put back the first's
+    limit of 1 as the original."""
+    with _blas_lock:
+        if not _blas_limit:
+            _blas_limit[:] = [_blas_controller().limit(limits=1, user_api="blas"), 0]
+        _blas_limit[1] += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_limit[1] -= 1
+            if not _blas_limit[1]:
+                _blas_limit.pop(0).restore_original_limits()
+                _blas_limit.clear()

@@ -1,0 +1,98 @@
+"""Numba's threading layer: one that coexists with the OpenMP runtimes of torch and others, never OpenMP itself.
+
+Numba's default order is TBB, then OpenMP, then workqueue. Two things make that order costly beside torch:
+the ``tbb`` wheel puts ``libtbb.so.12`` in ``<environment>/lib``, which the loader does not search in a
+virtual environment, so Numba falls through to the system's GNU OpenMP; and a second GNU OpenMP runtime in a
+process that holds torch's makes torch several times slower (pytorch/pytorch#98836; docs/performance.md,
+"Beside torch"). So launch() loads TBB from the wheel's own files where the loader cannot find it, and takes
+workqueue where TBB is missing. A layer the user names ($NUMBA_THREADING_LAYER, or numba.config before
+gpt2numba is imported) is Numba's to honour, OpenMP included.
+
+launch() changes nothing the process owns: it puts Numba's config back as it found it, writes no variable
+to ``os.environ`` and starts no OpenMP runtime. On x86-64 Linux the regions run on gpt2numba's pool (pool.py)
+and the layer launched here only holds Numba's thread-count calls; elsewhere it runs the regions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import sys
+import threading
+from importlib import metadata
+from pathlib import Path
+
+import numba
+
+# the file name Numba's _check_tbb_version_compatible asks the loader for, per system
+TBB_LIBRARY = {"linux": "libtbb.so.12", "darwin": "libtbb.12.dylib", "win32": "tbb12.dll"}
+_tbb: list = []  # the loaded library (kept: the loader would keep it anyway)
+_why: list[str] = []  # how the layer was chosen, for describe()
+_turns = threading.RLock()  # one pass at a time where the regions run on workqueue
+
+
+def launch() -> None:
+    """Launch Numba's threading layer, if nothing has yet: the one the user named, else TBB where it loads,
+    else workqueue."""
+    from numba.np.ufunc import parallel
+
+    if parallel._is_initialized:
+        _why[:] = ["launched before gpt2numba was imported"]
+        return
+    named = str(numba.config.THREADING_LAYER).lower()
+    if named != "default":
+        _why[:] = [f"named by the user ({named})"]
+        parallel._launch_threads()
+        return
+    found = load_tbb()
+    chosen = "tbb" if found else "workqueue"
+    _why[:] = [f"TBB from {found}" if found else "TBB is not installed here, and OpenMP would not coexist"]
+    numba.config.THREADING_LAYER = chosen  # (Numba's own config, put back at once: only the launch reads it)
+    try:
+        parallel._launch_threads()
+    finally:
+        numba.config.THREADING_LAYER = named
+
+
+def load_tbb() -> str | None:
+    """Load the TBB runtime Numba's TBB layer links to, from the loader's path or else from the ``tbb``
+    distribution's own files; where from, or None when neither has it."""
+    name = TBB_LIBRARY.get(sys.platform)
+    if name is None:
+        return None
+    try:
+        _tbb[:] = [ctypes.CDLL(name)]
+        return "the loader's path"
+    except OSError:
+        pass
+    try:
+        files = metadata.files("tbb") or []
+        dist = metadata.distribution("tbb")
+    except metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.name == name:
+            path = Path(dist.locate_file(file)).resolve()
+            try:
+                _tbb[:] = [ctypes.CDLL(str(path))]  # by its soname, Numba's tbbpool then finds this copy
+                return f"the tbb package ({path})"
+            except OSError:
+                return None
+    return None
+
+
+def turns(regions_here: bool):
+    """A pass's turn: where the regions run on this layer (``regions_here``: the pool is off) and it is
+    workqueue, which aborts the process on regions from two threads at once, one pass at a time."""
+    if regions_here and numba.threading_layer() == "workqueue":
+        return _turns
+    return contextlib.nullcontext()
+
+
+def describe() -> str:
+    """Numba's layer and why it is that one."""
+    from numba.np.ufunc import parallel
+
+    if not parallel._is_initialized:
+        return "Numba's threading layer is not launched yet"
+    return f"Numba's {numba.threading_layer()} threading layer ({'; '.join(_why) or 'launched by Numba'})"
