@@ -1,5 +1,11 @@
 """GPT-2 inference on the CPU: Numba kernels over a preallocated key/value cache."""
 
+import os as _os
+
+# The environment as gpt2numba found it, before its dependencies' imports (threadpoolctl adds
+# KMP_DUPLICATE_LIB_OK: docs/api.md, "What gpt2numba leaves as it found it"): the benchmark's peers start with it.
+_ENVIRON_AT_IMPORT = dict(_os.environ)
+
 from .beams import Hypothesis, beam_search, beam_search_batch
 from .config import GPT2Config
 from .errors import (

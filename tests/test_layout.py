@@ -119,6 +119,18 @@ def test_bench_modules_import_no_private_names_of_each_other():
                 assert not private, f"{name} imports {private} from .{node.module or ''}"
 
 
+def test_peers_and_the_worker_import_nothing_of_gpt2numba():
+    """The benchmark's peers run in processes that never import gpt2numba (bench/peers/__init__.py): their
+    modules and the worker that loads them import no module of the package, nor the package."""
+    known = modules()
+    names = [n for n in known if n.startswith("gpt2numba.bench.peers.")] + ["gpt2numba.bench.worker"]
+    assert len(names) >= 4  # transformers, CTranslate2, llama.cpp and the worker
+    for name in names:
+        source = ast.parse(known[name].read_text())
+        relative = [n.module for n in ast.walk(source) if isinstance(n, ast.ImportFrom) and n.level]
+        assert not relative and not imports(name, known[name], known), f"{name} imports gpt2numba"
+
+
 def test_module_sizes():
     lines = {name: len(path.read_text().splitlines()) for name, path in modules().items()
              if not name.startswith("gpt2numba.bench")}

@@ -211,6 +211,28 @@ def test_bench_throughput_against_transformers(tmp_path):
     assert "same greedy tokens as transformers: 3 of 3 sequences" in stdout
 
 
+def test_bench_against_transformers_checks_itself(tmp_path):
+    """transformers runs in a process of its own that never imports gpt2numba, reports its threads, and is
+    measured once more in a plain process beside the bench's figure (tox's hf env runs this: torch is there)."""
+    pytest.importorskip("torch", reason="the transformers comparison needs torch (pip install 'gpt2numba[bench]')")
+    pytest.importorskip("transformers", reason="the comparison needs transformers (pip install 'gpt2numba[bench]')")
+    write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "bench.py"), "--model", str(tmp_path / "ckpt"),
+                        "--lengths", "4", "--contexts", "4", "--repeat", "3", "--steps", "2", "--bandwidth-mib", "8",
+                        "--dtypes", "float32", "--no-throughput", "--no-processes", "--idle-patience", "0",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    seen = report["peers"]["transformers"]
+    assert seen["imported"] == [] and seen["threads"] == 2
+    plain = report["plain_process"]
+    assert plain["tokens"] == 4 and plain["plain_ms"] > 0
+    assert plain["bench_ms"] == report["prefill"]["4"]["transformers"]["median_ms"]
+    assert "self-check: transformers' prefill 4 in a plain process" in r.stdout
+    assert "transformers ran in a process of its own: 2 threads" in r.stdout
+
+
 def test_bench_llama(tmp_path):
     """llama.cpp beside us on GGUF files of the same tiny model (GPT-2's vocabulary): where llama-cpp-python is
     installed (the [peers] extra, kept out of the test extra: it compiles llama.cpp for minutes)."""
@@ -443,3 +465,37 @@ def test_page_paint_script(tmp_path):
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     assert report["tokens"] == report["spans"] == 50 and len(report["ms"]) == 2 and min(report["ms"]) > 0
+
+
+def test_a_peer_runs_in_a_process_without_gpt2numba_in_its_users_environment():
+    """The benchmark starts a peer in a process that never imports gpt2numba, in the environment gpt2numba found
+    at its import (the user's: bench does not add to it), and reports its thread settings; gpt2numba's own
+    workers get the same environment with claims on CPUs off."""
+    import bench_peer
+    from gpt2numba import _ENVIRON_AT_IMPORT
+    from gpt2numba.bench.core import Remote, gpt2numba_system, peer_settings
+
+    peer = Remote(bench_peer.system, "probe", ROOT, 1)
+    try:
+        environ, imported = peer.call("environ", None)[1]
+        assert imported == []
+        environ.pop("LC_CTYPE", None)  # (Python's own coercion of the C locale, in any child)
+        assert environ == {k: v for k, v in _ENVIRON_AT_IMPORT.items() if k != "LC_CTYPE"}
+        settings = peer_settings([peer])["probe"]
+        assert settings["imported"] == [] and settings["threads"] == 1
+        assert peer.call("prefill", [1, 2])[1] == 7  # (the greedy token of its logits)
+    finally:
+        peer.close()
+
+
+def test_our_workers_run_with_claims_off(tmp_path):
+    from gpt2numba.bench.core import Remote, gpt2numba_system
+
+    write_dir(g.random_weights(TINY, seed=0), tmp_path)
+    ours = Remote(gpt2numba_system, "float32", tmp_path, 1)
+    try:
+        seen = ours.call("environment", None)[1]
+        assert seen["variables"]["GPT2NUMBA_CLAIM_DIR"] == "off" and "gpt2numba" in seen["imported"]
+        assert seen["threads"] == 1
+    finally:
+        ours.close()

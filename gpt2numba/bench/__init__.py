@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import tempfile
 from pathlib import Path
 
@@ -33,9 +32,6 @@ __all__ = ["main", "wait_for_idle"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    # The benchmark's processes take turns (the parent checks accuracy, the workers alternate): each pins its
-    # threads as a lone process would. Claims on CPUs (pool._claim) would leave all but the first unpinned.
-    os.environ.setdefault("GPT2NUMBA_CLAIM_DIR", "off")
     parser = _parser()
     args = parser.parse_args(argv)
     section = (scoring if args.score else llama if args.llama else ct2 if args.ct2

@@ -11,8 +11,11 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+from .worker import BOOT
 
 GEMM_SHAPE = (512, 768, 3072)  # (tokens, n_embd, 4 n_embd): GPT-2 small's c_fc at 512 tokens
 
@@ -20,16 +23,26 @@ GEMM_SHAPE = (512, 768, 3072)  # (tokens, n_embd, 4 n_embd): GPT-2 small's c_fc 
 # --- systems in worker processes, behind the same calls ----------------------------------------------------
 
 class Remote:
-    """One system in a worker process; call() runs one prefill or decode there and times it."""
+    """One system in a worker process of its own (worker.py); call() runs one prefill or decode there and times it.
+
+    A peer (any ``make`` but gpt2numba_system) runs in a process that never imports gpt2numba; every worker
+    starts in process_environment.
+    """
 
     def __init__(self, make, kind, model_dir, threads):
         """make(kind, model_dir, threads) -> (system, name, version), run in the worker: gpt2numba_system
-        here, or a peer module's ``system``; a module-level function, so that the spawned worker imports it."""
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_work, args=(make, kind, str(model_dir), threads, child), daemon=True)
-        self.process.start()
-        self.name, self.version = self.conn.recv()
+        here, or a peer module's ``system`` (a module of bench/peers/, or any file that imports no gpt2numba)."""
+        spec, self.peer = make_spec(make)
+        self.conn, child = multiprocessing.Pipe()
+        self.process = subprocess.Popen([sys.executable, "-c", BOOT, WORKER, spec, str(child.fileno())],
+                                        pass_fds=[child.fileno()], env=process_environment(self.peer))
+        child.close()
+        self.conn.send((kind, str(model_dir), threads))
+        try:
+            self.name, self.version = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the worker for {make.__module__}.{make.__name__}({kind!r}) ended before it "
+                               f"started (exit status {self.process.wait()}; its error is above)") from None
 
     def call(self, method, arg, logits=False):
         """(seconds, greedy, logits or None) of system.method(arg), timed in the worker.
@@ -46,7 +59,35 @@ class Remote:
 
     def close(self):
         self.conn.send(None)
-        self.process.join(timeout=30)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+WORKER = str(Path(__file__).with_name("worker.py"))
+
+
+def make_spec(make) -> tuple[str, bool]:
+    """(what worker.load takes for the function ``make``, whether it is a peer's): gpt2numba_system by its
+    module's name, a peer's ``system`` by its file's path, so that its process never imports gpt2numba."""
+    if make is gpt2numba_system:
+        return f"{make.__module__}:{make.__name__}", False
+    return f"{sys.modules[make.__module__].__file__}:{make.__name__}", True
+
+
+def peer_settings(remotes) -> dict:
+    """What each peer's worker ran with (worker.environment): its threads, the thread variables it started
+    with, whether gpt2numba or Numba were in it."""
+    return {r.name: r.call("environment", None)[1] for r in remotes}
+
+
+def print_peer_settings(settings: dict) -> None:
+    for name, e in settings.items():
+        variables = ", ".join(f"{k}={v}" for k, v in sorted(e["variables"].items())) or "none set"
+        print(f"{name} ran in a process of its own: {e['threads']} threads; thread settings in its environment: "
+              f"{variables}; gpt2numba or Numba imported in it: {', '.join(e['imported']) or 'no'}")
 
 
 def start_peer(make, kind, path, threads):
@@ -57,23 +98,6 @@ def start_peer(make, kind, path, threads):
         remote.close()
         return None
     return remote
-
-
-def _work(make, kind, model_dir, threads, conn):
-    """The worker process: build the system, then run calls until the parent sends None."""
-    system, name, version = make(kind, model_dir, threads)
-    conn.send((name, version))
-    while (msg := conn.recv()) is not None:
-        method, arg, want_logits = msg
-        try:
-            t = time.perf_counter()
-            own = getattr(system, method, None)  # a system's own method, else the one every system shares
-            out = own(arg) if own else SHARED[method](system, arg)
-            seconds = time.perf_counter() - t
-            greedy = out.argmax(-1).tolist() if isinstance(out, np.ndarray) else out
-            conn.send((seconds, greedy, out if want_logits else None))
-        except Exception as e:  # reported to the parent, which stops the run
-            conn.send(f"{type(e).__name__}: {e}")
 
 
 class Ours:
@@ -89,6 +113,15 @@ class Ours:
 
     def decode(self, token):
         return self.g.decode_step(token, self.w, self.mc)
+
+    def threads(self):
+        return self.g.get_threads()
+
+    def threads_run_on(self, arg) -> str:
+        """Where the worker's parallel regions run (pool.describe()), after the passes it ran."""
+        from .. import pool
+
+        return pool.describe()
 
     def batch_caches(self, max_lens):
         """New caches for a batch, each just long enough: 64 of 1024 positions would be 4.8 GB."""
@@ -186,36 +219,6 @@ def prefill_runs(systems, w, args):
     return results
 
 
-def decode_run(system, job):
-    """``n`` greedy decode steps back to back from ``token``, through system.decode: each step's seconds
-    and its token. job: (token, n)."""
-    token, n = job
-    seconds, tokens = [], []
-    for _ in range(n):
-        t = time.perf_counter()
-        token = int(system.decode(token).argmax())
-        seconds.append(time.perf_counter() - t)
-        tokens.append(token)
-    return seconds, tokens
-
-
-def decode_steps(system, job):
-    """Prefill ``ids``, then ``steps`` greedy decode steps, through system.prefill and system.decode (each
-    returning (vocab,) logits): seconds per step, the prefill untimed. job: (ids, steps)."""
-    ids, steps = job
-    seconds, _ = decode_run(system, (int(system.prefill(ids).argmax()), steps))
-    return sum(seconds) / steps
-
-
-def threads_run_on(system, arg) -> str:
-    """Where the worker's parallel regions run (pool.describe()), after the passes it ran."""
-    from .. import pool
-
-    return pool.describe()
-
-
-SHARED = {"decode_run": decode_run, "decode_steps": decode_steps,  # every system's, through its prefill and decode
-          "threads_run_on": threads_run_on}
 RUN = 8  # decode steps a system runs back to back, as a generation loop does, before the next one's turn
 
 
@@ -341,12 +344,26 @@ def peak_rss_mb():
 """
 
 
-def run_script(script, model_dir, env=None, *extra):
+def run_script(script, model_dir, *extra, env=None, peer=False):
+    """The last figure a new ``python -c script model_dir *extra`` prints, in process_environment(peer)
+    with ``env`` on top."""
     out = subprocess.run([sys.executable, "-c", script, str(model_dir), *extra], capture_output=True, text=True,
-                         env={**os.environ, **(env or {})}, timeout=900)
+                         env={**process_environment(peer), **(env or {})}, timeout=900)
     if out.returncode:
         raise RuntimeError(f"benchmark subprocess failed: {out.stderr.strip().splitlines()[-1:]}")
     return float(out.stdout.split()[-1])
+
+
+def process_environment(peer: bool) -> dict:
+    """The environment of a process the benchmark starts: the one gpt2numba found at its import (its users'
+    own); for gpt2numba's processes, with claims on CPUs off (they take turns: each pins its threads as a lone
+    process would, where claims would leave all but the first unpinned)."""
+    from .. import _ENVIRON_AT_IMPORT
+
+    env = dict(_ENVIRON_AT_IMPORT)
+    if not peer:
+        env["GPT2NUMBA_CLAIM_DIR"] = env.get("GPT2NUMBA_CLAIM_DIR") or "off"
+    return env
 
 
 # --- a shared machine: wait for quiet, and say how loud it was -----------------------------------
@@ -377,12 +394,14 @@ class Load:
             self.share = max(0.0, (busy1 - busy0 - ours) / max(1, total1 - total0))
 
     def _ours(self):
-        """Jiffies of CPU used by this process and its worker processes."""
+        """Jiffies of CPU used by this process, its worker processes and the children it has waited for."""
         total = 0
         for pid in ("self", *self.pids):
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             total += int(fields[11]) + int(fields[12])  # utime, stime
+            if pid == "self":
+                total += int(fields[13]) + int(fields[14])  # cutime, cstime: a subprocess.run's, once it ended
         return total
 
 

@@ -17,48 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .core import (Remote, decode_runs, dtype_name, gpt2numba_system, prefill_runs, system_rows,
-                   versus_float32)
+from .core import (Remote, decode_runs, dtype_name, gpt2numba_system, peer_settings, prefill_runs,
+                   print_peer_settings, system_rows, versus_float32)
+from .peers.llama import system
 
 PAIRS = (("float32", "F32"), ("bfloat16", "F16"), ("int8", "Q8_0"), ("int4", "Q4_0"))
 SAME_MODEL_ATOL = 2e-3
-
-
-class _Llama:
-    """llama.cpp behind the benchmark's calls: prefill(ids) and decode(token) return (vocab,) logits."""
-
-    def __init__(self, llama_cpp, model, version):
-        self.llama_cpp, self.model, self.version = llama_cpp, model, version
-
-    def _logits(self):
-        n_vocab = self.model.n_vocab()
-        return np.ctypeslib.as_array(self.llama_cpp.llama_get_logits_ith(self.model.ctx, -1), shape=(n_vocab,)).copy()
-
-    def prefill(self, ids):
-        self.model.reset()
-        self.model.eval([int(t) for t in ids])
-        return self._logits()
-
-    def decode(self, token):
-        self.model.eval([int(token)])
-        return self._logits()
-
-
-def system(kind, gguf_path, threads):
-    """(system, kind, version) for Remote: kind "llama.cpp FMT" on a GGUF file; system and version are None
-    when llama-cpp-python is not installed."""
-    system = _load(gguf_path, threads)
-    return system, kind, system.version if system else None
-
-
-def _load(gguf_path, threads):
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    model = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads,
-                            n_threads_batch=threads, verbose=False)
-    return _Llama(llama_cpp, model, f"llama-cpp-python {llama_cpp.__version__}")
 
 
 def run(args, model_dir, w) -> dict:
@@ -75,6 +39,7 @@ def run(args, model_dir, w) -> dict:
             if theirs[0].version is None:
                 raise SystemExit("llama-cpp-python is not installed: pip install -e '.[peers]'")
             report["llama_cpp"] = theirs[0].version
+            report["peers"] = peer_settings(theirs)
             report["same_model"], report["accuracy"] = _accuracy(systems, w, args)
             if report["same_model"] > SAME_MODEL_ATOL:
                 raise SystemExit(f"llama.cpp's F32 logits differ from ours by {report['same_model']:.1e} > "
@@ -113,6 +78,7 @@ def print_report(r):
                   + f" {a['max_abs_diff_vs_float32']:>12.2e} {100 * a['argmax_agreement_with_float32']:>6.0f}%")
     print("(ms, medians; prefill: the whole prompt; decode: per token after that many; accuracy against "
           "gpt2numba float32 on the same weights and prompts)")
+    print_peer_settings(r.get("peers", {}))
 
 
 def _ms(rows, key, name):

@@ -10,14 +10,17 @@ benchmark. Also: what the head costs against the blocks, peak memory, and with
 
 from __future__ import annotations
 
-import json
+import pickle
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-from . import transformers
-from .core import (PEAK_RSS, Remote, alternate, dtype_name, gpt2numba_system, percent, prefill_flops, progress,
-                   run_script, start_peer, summary, wait_for_idle)
+from .core import (PEAK_RSS, WORKER, Remote, alternate, dtype_name, gpt2numba_system, make_spec, peer_settings,
+                   percent, prefill_flops, print_peer_settings, progress, run_script, start_peer, summary,
+                   wait_for_idle)
+from .peers import transformers
 
 
 def run(args, model_dir, w) -> dict:
@@ -37,6 +40,7 @@ def run(args, model_dir, w) -> dict:
     theirs = None if args.no_transformers else start_peer(transformers.system, "transformers", model_dir,
                                                                   args.threads)
     report["transformers"] = theirs.version if theirs else None
+    report["peers"] = peer_settings([theirs] if theirs else [])
     systems = [mine, *([theirs] if theirs else [])]
     try:
         jobs = {s.name: _jobs(s.name, long_ids, docs, args) for s in systems}
@@ -48,7 +52,7 @@ def run(args, model_dir, w) -> dict:
         for remote in systems:
             remote.close()
     if not args.no_processes:
-        report["peak_rss_mb"] = _peak_rss(model_dir, args, cfg.vocab_size, theirs is not None)
+        report["peak_rss_mb"] = _peak_rss(model_dir, args, long_ids, docs, theirs is not None)
     if args.ray:
         report["ray"] = _ray_overhead(model_dir, w, docs, args)
     return report
@@ -103,27 +107,32 @@ def _head_cost(ours, w, args):
 
 
 _SCORE_RSS = """
-import argparse, json, sys
-from gpt2numba.bench import core, transformers
-from gpt2numba.bench.scoring import _jobs, _workload
-args = argparse.Namespace(**json.loads(sys.argv[3]))
-make = transformers.system if sys.argv[2] == "transformers" else core.gpt2numba_system
-system, name, _ = make(sys.argv[2], sys.argv[1], args.threads)
-jobs = _jobs(name, *_workload(args.vocab_size, args), args)
+import pickle, runpy, sys
+model_dir, worker, spec, kind, threads, jobs = sys.argv[1:7]
+make = runpy.run_path(worker)["load"](spec)  # (worker.py's loader: a peer's file by its path)
+system, _, _ = make(kind, model_dir, int(threads))
+with open(jobs, "rb") as f:
+    jobs = pickle.load(f)
 system.score_long(jobs["score_long"])
 system.score_docs(jobs["score_docs"])
 print(peak_rss_mb())
 """
 
 
-def _peak_rss(model_dir, args, vocab_size, with_theirs):
-    """Peak RSS (MB) of a new process that scores both workloads, for each system."""
-    settings = json.dumps({**{k: getattr(args, k) for k in ("threads", "score_long", "score_stride",
-                                                              "score_doc_tokens", "score_docs", "score_batch")},
-                           "vocab_size": vocab_size})
-    result = {dtype_name("float32"): run_script(PEAK_RSS + _SCORE_RSS, model_dir, None, "float32", settings)}
+def _peak_rss(model_dir, args, long_ids, docs, with_theirs):
+    """Peak RSS (MB) of a new process that scores both workloads, for each system (transformers' a process
+    that never imports gpt2numba)."""
+    systems = {dtype_name("float32"): (gpt2numba_system, "float32")}
     if with_theirs:
-        result["transformers"] = run_script(PEAK_RSS + _SCORE_RSS, model_dir, None, "transformers", settings)
+        systems["transformers"] = (transformers.system, "transformers")
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (make, kind) in systems.items():
+            jobs = Path(tmp, "jobs.pickle")
+            jobs.write_bytes(pickle.dumps(_jobs(name, long_ids, docs, args)))
+            spec, peer = make_spec(make)
+            result[name] = run_script(PEAK_RSS + _SCORE_RSS, model_dir, WORKER, spec, kind, str(args.threads),
+                                      str(jobs), peer=peer)
     return result
 
 
@@ -193,6 +202,7 @@ def print_report(r):
     print(f"\nhead, one window of {h['window']} tokens: {h['head_ms']:.0f} ms of {h['head_ms'] + h['blocks_ms']:.0f} "
           f"({h['head_ms'] / (h['head_ms'] + h['blocks_ms']):.0%}); {h['head_gflop']:.0f} of "
           f"{h['head_gflop'] + h['blocks_gflop']:.0f} GFLOP ({share:.0%}); blocks {h['blocks_ms']:.0f} ms")
+    print_peer_settings(r.get("peers", {}))
     if r.get("peak_rss_mb"):
         print("peak RSS, both workloads in a new process: "
               + ", ".join(f"{k} {v:.0f} MB" for k, v in r["peak_rss_mb"].items()))

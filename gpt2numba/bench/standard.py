@@ -10,9 +10,11 @@ import tempfile
 
 import numpy as np
 
-from . import throughput, transformers
-from .core import (GEMM_SHAPE, PEAK_RSS, Remote, decode_runs, dtype_name, gpt2numba_system, measure_floors, percent,
-                   prefill_runs, run_script, start_peer, system_rows, versus, versus_float32, wait_for_idle)
+from . import throughput
+from .core import (GEMM_SHAPE, PEAK_RSS, WORKER, Remote, decode_runs, dtype_name, gpt2numba_system, make_spec,
+                   measure_floors, peer_settings, percent, prefill_runs, print_peer_settings, run_script, start_peer,
+                   system_rows, versus, versus_float32, wait_for_idle)
+from .peers import transformers
 
 
 def run(args, model_dir, w) -> dict:
@@ -38,6 +40,8 @@ def run(args, model_dir, w) -> dict:
     report["transformers"] = theirs.version if theirs else None
     systems = [*mine, *([theirs] if theirs else [])]
     try:
+        if theirs:
+            report["peers"] = peer_settings([theirs])
         report["prefill"] = prefill_runs(systems, w, args)
         report["decode"] = decode_runs(systems, w, args)
         if not args.no_throughput:
@@ -45,6 +49,8 @@ def run(args, model_dir, w) -> dict:
     finally:
         for remote in systems:
             remote.close()
+    if theirs:
+        report["plain_process"] = _plain_process(model_dir, report["prefill"], args)
     if not args.no_processes:
         report["cold_start"] = _cold_start(model_dir, theirs is not None)
         report["peak_rss_mb"] = _peak_rss(model_dir, theirs is not None, w.config, args.dtypes)
@@ -72,7 +78,38 @@ def _accuracy(g, stored, args):
     return result
 
 
-# --- new processes: cold start and peak memory ----------------------------------------------------
+# --- new processes: the self-check, cold start and peak memory ------------------------------------
+
+PLAIN_LENGTH = 128  # the prompt length the self-check measures transformers at in a plain process
+TRUSTED = 1.2  # the bench's figure for a peer may be at most this many times its plain process's
+
+_THEIRS_PLAIN = """
+import runpy, sys, time
+import numpy as np
+model_dir, worker, spec, threads, T, repeat = sys.argv[1:7]
+system, _, _ = runpy.run_path(worker)["load"](spec)("transformers", model_dir, int(threads))
+ids = np.random.default_rng(0).integers(0, system.model.config.vocab_size, int(T))
+system.prefill(ids)
+times = []
+for _ in range(int(repeat)):
+    t = time.perf_counter()
+    system.prefill(ids)
+    times.append(time.perf_counter() - t)
+print(1e3 * float(np.median(times)))
+"""
+
+
+def _plain_process(model_dir, prefill, args) -> dict:
+    """transformers' prefill in a process that only runs it (no worker, no pipe, no gpt2numba), against the
+    bench's figure at the same length: the bench's own measurement, checked once."""
+    T = PLAIN_LENGTH if PLAIN_LENGTH in prefill else min(prefill)
+    spec, _ = make_spec(transformers.system)
+    wait_for_idle()
+    plain = run_script(_THEIRS_PLAIN, model_dir, WORKER, spec, str(args.threads), str(T), str(args.repeat),
+                       peer=True)
+    bench = prefill[T]["transformers"]["median_ms"]
+    return {"tokens": T, "plain_ms": plain, "bench_ms": bench, "ratio": bench / plain}
+
 
 _OURS_FIRST = """
 import time; t0 = time.perf_counter()
@@ -122,20 +159,20 @@ def _cold_start(model_dir, with_theirs):
     result = {}
     with tempfile.TemporaryDirectory() as numba_cache:
         empty = {"NUMBA_CACHE_DIR": numba_cache}
-        result["gpt2numba_compiling_s"] = run_script(_OURS_FIRST, model_dir, empty)
-        result["gpt2numba_warm_cache_s"] = run_script(_OURS_FIRST, model_dir, empty)
+        result["gpt2numba_compiling_s"] = run_script(_OURS_FIRST, model_dir, env=empty)
+        result["gpt2numba_warm_cache_s"] = run_script(_OURS_FIRST, model_dir, env=empty)
     if with_theirs:
-        run_script(_THEIRS_FIRST, model_dir)  # let the OS cache torch's libraries, as ours are
-        result["transformers_s"] = run_script(_THEIRS_FIRST, model_dir)
+        run_script(_THEIRS_FIRST, model_dir, peer=True)  # let the OS cache torch's libraries, as ours are
+        result["transformers_s"] = run_script(_THEIRS_FIRST, model_dir, peer=True)
     return result
 
 
 def _peak_rss(model_dir, with_theirs, cfg, dtypes):
     if cfg.n_positions < 640 or not os.path.exists("/proc/self/status"):
         return {}
-    result = {dtype_name(d): run_script(PEAK_RSS + _OURS_RSS, model_dir, None, d) for d in dtypes}
+    result = {dtype_name(d): run_script(PEAK_RSS + _OURS_RSS, model_dir, d) for d in dtypes}
     if with_theirs:
-        result["transformers"] = run_script(PEAK_RSS + _THEIRS_RSS, model_dir)
+        result["transformers"] = run_script(PEAK_RSS + _THEIRS_RSS, model_dir, peer=True)
     return result
 
 
@@ -166,6 +203,12 @@ def print_report(r):
                   f"{versus(row, name):>15}  {o['min_ms']:>7.2f}-{o['max_ms']:<7.2f} {percent(row['others_cpu']):>6}")
         if "same_greedy_tokens" in row:
             print(f"{'':>9}same greedy tokens as transformers: {row['same_greedy_tokens']}")
+    if "plain_process" in r:
+        p = r["plain_process"]
+        verdict = "within" if p["ratio"] <= TRUSTED else "OUTSIDE"
+        print(f"{'':>9}self-check: transformers' prefill {p['tokens']} in a plain process {p['plain_ms']:.1f} ms, "
+              f"in the bench {p['bench_ms']:.1f} ms ({p['ratio']:.2f}x, {verdict} {TRUSTED}x)")
+    print_peer_settings(r.get("peers", {}))
     if "throughput" in r:
         throughput.print_report(r["throughput"], floors)
     if r.get("accuracy"):
