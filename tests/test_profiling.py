@@ -229,7 +229,7 @@ def test_bench_against_transformers_checks_itself(tmp_path):
     plain = report["plain_process"]
     assert plain["tokens"] == 4 and plain["plain_ms"] > 0
     assert plain["bench_ms"] == report["prefill"]["4"]["transformers"]["median_ms"]
-    assert "self-check: transformers' prefill 4 in a plain process" in r.stdout
+    assert "self-check: transformers' prefill 4 in plain processes" in r.stdout
     assert "transformers ran in a process of its own: 2 threads" in r.stdout
 
 
