@@ -14,137 +14,23 @@ from pathlib import Path
 
 import numpy as np
 
-from . import cli_generate, forward
+from . import __version__, cli_generate, forward
+from .argtypes import in_range
 from .errors import ConfigError, GPT2NumbaError
 from .forward import decode_batch, decode_step, prefill, prefill_batch
 from .kvcache import KV_DTYPES, ModelCache
 from .oracle import ATOL, ATOL_INTEGER, RTOL, agreement, recompute_logits
 from .compact import DTYPES, INTEGER
 from .documents import field_of, split
-from .models import resolve_model  # re-exported: gpt2numba.cli.resolve_model
+from .models import RANDOM_NAME, RANDOM_NOTE, resolve_model  # resolve_model re-exported: gpt2numba.cli's
 from .report import REPORT_DOCUMENTS
 from .serve.config import ServeConfig, flags as serve_flags  # (no web framework)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpt2numba", description="GPT-2 inference on the CPU with Numba.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    model_help = ("checkpoint directory, .safetensors file, or a Hugging Face name such as "
-                  "openai-community/gpt2 (needs the [hub] extra and network); default: $GPT2NUMBA_WEIGHTS, "
-                  "else seeded random GPT-2 small")
-    dtype_help = ("how the matrices are kept: float32 (default), bfloat16 (half the bytes), int8 "
-                  "(a quarter, one scale per 32 weights) or int4 (an eighth, the same scales); decode is "
-                  "about that much faster")
-
-    weights = argparse.ArgumentParser(add_help=False)  # what every command that runs the model takes
-    weights.add_argument("--model", help=model_help)
-    weights.add_argument("--dtype", default="float32", choices=DTYPES, help=dtype_help)
-    weights.add_argument("--threads", type=_at_least(1), help="threads to use (default: the cores)")
-    weights.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
-                         help="how the key/value cache keeps its values: float32 (default), or float16 or "
-                         "bfloat16 in half the memory (each rounded when written; llama.cpp's default is f16)")
-
-    gen = commands.add_parser("generate", parents=[weights],
-                              help="continue a prompt, streaming text as it is produced",
-                              description="Continue PROMPT, printing text as it is produced (several texts or "
-                              "beam search: each text once done); a one-line summary goes to stderr.")
-    gen.add_argument("prompt", metavar="PROMPT", nargs="?", help="the text to continue (or --prompts-file)")
-    gen.add_argument("--prompts-file", type=Path, metavar="FILE",
-                     help="many prompts, generated as a batch: one per line, or JSON lines with a \"prompt\" "
-                     "field ('-' reads stdin); writes a JSON line per text as it finishes (beam search: per prompt)")
-    gen.add_argument("--batch-size", type=_at_least(1), metavar="N",
-                     help="with --prompts-file: sequences in flight at once (default: all)")
-    gen.add_argument("--max-new-tokens", type=_at_least(0), default=50, metavar="N", help="default 50")
-    gen.add_argument("--temperature", type=float, metavar="T", help="0 is greedy (default 1.0)")
-    gen.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens")
-    gen.add_argument("--top-p", type=float, metavar="P", help="sample from the smallest set of mass P")
-    gen.add_argument("--min-p", type=float, metavar="P", help="drop tokens less than P times as likely as the first")
-    gen.add_argument("--typical-p", type=float, metavar="P", help="sample from the locally typical set of mass P")
-    gen.add_argument("--repetition-penalty", type=float, metavar="R", help="default 1.0 (off)")
-    gen.add_argument("--presence-penalty", type=float, metavar="X",
-                     help="lower a generated token's logit by X, -2 to 2 (default 0)")
-    gen.add_argument("--frequency-penalty", type=float, metavar="X",
-                     help="lower it by X for each time it was generated, -2 to 2 (default 0)")
-    gen.add_argument("--no-repeat-ngram-size", type=int, metavar="N", help="never repeat an N-gram (default 0, off)")
-    gen.add_argument("--min-new-tokens", type=int, metavar="N", help="no end of text before N new tokens (default 0)")
-    gen.add_argument("--eos-token-id", type=int, nargs="+", action="extend", metavar="ID",
-                     help="the ids that end a text (default 50256, <|endoftext|>)")
-    gen.add_argument("--bad-words", type=_word, action="append", metavar="WORD",
-                     help="never write the word WORD after a space (tokenized as ' WORD', as transformers advises); repeatable")
-    gen.add_argument("--seed", type=_at_least(0), help="make the output reproducible")
-    gen.add_argument("--no-stop", action="store_true", help="go on past <|endoftext|> (or --eos-token-id)")
-    gen.add_argument("--slide", action="store_true",
-                     help="at the end of the context, drop the oldest tokens and go on")
-    gen.add_argument("--num-beams", type=_at_least(1), default=1, metavar="N",
-                     help="beam search with N beams when N > 1 (default 1: sampling)")
-    gen.add_argument("--num-return-sequences", type=_at_least(1), metavar="N",
-                     help="texts per prompt: the N best beams, or N samples (default 1)")
-    gen.add_argument("--length-penalty", type=float, metavar="L",
-                     help="beam search: a score is divided by length ** L (default 1.0; above 0 favours long)")
-    gen.add_argument("--early-stopping", choices=list(cli_generate.EARLY_STOPPING),
-                     help="beam search: stop once N beams ended (true), once none can do better (false, the "
-                     "default), or that judged at --max-new-tokens (never)")
-    gen.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
-                     help="with --prompts-file: generate on a Ray cluster with Ray Data, the same records in the "
-                     "prompts' order: the address of an existing cluster, or none to start a local one (the [ray] "
-                     "extra); --threads is each worker's, --batch-size the prompts a worker runs at once (default 64)")
-    gen.add_argument("--output", type=Path, metavar="DIR", help="with --ray: write the records to DIR instead of stdout")
-    gen.add_argument("--format", choices=["jsonl", "parquet"], help="with --output (default jsonl)")
-
-    check = commands.add_parser(
-        "check", parents=[weights],
-        help="prefill random prompts, decode greedily, compare every logit with the float64 oracle",
-        description="Prefill random prompts, decode greedily, and compare every step's logits with "
-        "the float64 oracle. Exits 1 on a mismatch.")
-    check.add_argument("--prompts", type=_at_least(1), default=3, help="random prompts to try (default 3)")
-    check.add_argument("--prompt-len", type=_at_least(1), default=64, help="tokens per prompt (default 64)")
-    check.add_argument("--decode", type=_at_least(0), default=8, help="greedy steps after each prefill (default 8)")
-    check.add_argument("--seed", type=_at_least(0), default=0, help="seed of the random prompts")
-
-    score = commands.add_parser(
-        "score", parents=[weights], help="log-likelihood and perplexity of documents, one JSON line each",
-        description="Score documents: every token's log-probability given those before it (sliding windows "
-        "past the context). Writes one JSON line per document: source, index, tokens (scored), nll (nats), "
-        "perplexity, bits_per_byte; corpus totals and a progress bar go to stderr.")
-    score.add_argument("files", nargs="*", metavar="FILE", default=["-"],
-                       help="plain text (one document per file) or JSON lines; - or nothing reads stdin")
-    score.add_argument("--lines", action="store_true", help="plain text: one document per line")
-    score.add_argument("--field", metavar="NAME",
-                       help="the files are JSON lines with the text in NAME (default for .jsonl files: text)")
-    score.add_argument("--stride", type=_at_least(1), help="sliding-window stride (default n_positions // 2)")
-    score.add_argument("--batch-size", type=_at_least(1), default=16, metavar="N",
-                       help="documents scored together in one pass (default 16)")
-    score.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
-                       help="score on a Ray cluster with Ray Data: the address of an existing one, or none to "
-                       "start a local one (needs the [ray] extra; files, not stdin)")
-    score.add_argument("--output", type=Path, metavar="DIR", help="with --ray: write the scored dataset to DIR")
-    score.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="with --output (default jsonl)")
-    score.add_argument("--html", type=Path, metavar="REPORT",
-                       help="instead of the JSON lines, write the tokens of the first documents (--html-documents, "
-                       f"default {REPORT_DOCUMENTS}) coloured by probability or rank into one self-contained HTML "
-                       "file (no server, nothing fetched); each document's first n_positions - 1 tokens")
-    score.add_argument("--html-documents", type=_at_least(1), default=REPORT_DOCUMENTS, metavar="N",
-                       help=f"with --html: how many documents, from the first (default {REPORT_DOCUMENTS})")
-
-    serve = commands.add_parser(
-        "serve", parents=[weights],
-        help="an OpenAI-compatible HTTP server with continuous batching (the [serve] extra)",
-        description="Serve the model over HTTP, speaking OpenAI's completions API (/v1/completions, "
-        "/v1/models) plus /health, /tokenize, /detokenize and /v1/inspect (every token's probability and rank); "
-        "GET / is a playground page. Requests share decode steps.")
-    key = serve.add_mutually_exclusive_group()  # --api-key or --api-key-file
-    for name, default, flag in serve_flags():  # each setting's default and help are ServeConfig's
-        parse = _at_least(flag.at_least) if flag.at_least is not None else _positive if flag.positive else str
-        (key if name == "api_key" else serve).add_argument(
-            "--" + name.replace("_", "-"), type=parse, default=default, metavar=flag.metavar, help=flag.help)
-        if name == "api_key":
-            key.add_argument("--api-key-file", type=Path, metavar="PATH",
-                             help="the same, the key read from a file (not visible in ps)")
-
-    # bench has a parser of its own (gpt2numba.bench): everything after the word goes to it untouched
-    commands.add_parser("bench", help="the benchmark against transformers (gpt2numba bench --help)")
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:
+    if argv[:1] == ["bench"]:  # bench has a parser of its own (gpt2numba.bench): the rest goes to it untouched
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
@@ -161,6 +47,135 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """Every command's flags, each number checked against its range as it is parsed (argtypes.in_range)."""
+    parser = argparse.ArgumentParser(prog="gpt2numba", description="GPT-2 inference on the CPU with Numba.")
+    parser.add_argument("--version", action="version", version=f"gpt2numba {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    model_help = ("checkpoint directory, .safetensors file, or a Hugging Face name such as gpt2 or "
+                  "openai-community/gpt2 (needs the [hub] extra and network; a local path of that name wins: "
+                  "docs/api.md, 'A real checkpoint'); default: $GPT2NUMBA_WEIGHTS, else seeded random GPT-2 small")
+    dtype_help = ("how the matrices are kept: float32 (default), bfloat16 (half the bytes), int8 "
+                  "(a quarter, one scale per 32 weights) or int4 (an eighth, the same scales); a decode step "
+                  "reads that much less (its measured time: docs/performance.md, 'The decode floor')")
+
+    weights = argparse.ArgumentParser(add_help=False)  # what every command that runs the model takes
+    weights.add_argument("--model", help=model_help)
+    weights.add_argument("--dtype", default="float32", choices=DTYPES, help=dtype_help)
+    weights.add_argument("--threads", type=in_range(int, 1), help="threads to use (default: the cores)")
+    weights.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
+                         help="how the key/value cache keeps its values: float32 (default), or float16 or "
+                         "bfloat16 in half the memory (each rounded when written; llama.cpp's default is f16)")
+
+    gen = commands.add_parser("generate", parents=[weights],
+                              help="continue a prompt, streaming text as it is produced",
+                              description="Continue PROMPT, printing text as it is produced (several texts or "
+                              "beam search: each text once done); a one-line summary goes to stderr.")
+    gen.add_argument("prompt", metavar="PROMPT", nargs="?", help="the text to continue (or --prompts-file)")
+    gen.add_argument("--prompts-file", type=Path, metavar="FILE",
+                     help="many prompts, generated as a batch: one per line, or JSON lines with a \"prompt\" "
+                     "field ('-' reads stdin); writes a JSON line per text as it finishes (beam search: per prompt)")
+    gen.add_argument("--batch-size", type=in_range(int, 1), metavar="N",
+                     help="with --prompts-file: sequences in flight at once (default: all)")
+    gen.add_argument("--max-new-tokens", type=in_range(int, 0), default=50, metavar="N", help="default 50")
+    gen.add_argument("--temperature", type=in_range(float, 0), metavar="T", help="0 is greedy (default 1.0)")
+    gen.add_argument("--top-k", type=in_range(int, 1), metavar="K", help="sample from the K most likely tokens")
+    gen.add_argument("--top-p", type=in_range(float, 0, 1, low_open=True), metavar="P",
+                     help="sample from the smallest set of mass P")
+    gen.add_argument("--min-p", type=in_range(float, 0, 1), metavar="P",
+                     help="drop tokens less than P times as likely as the first")
+    gen.add_argument("--typical-p", type=in_range(float, 0, 1, low_open=True), metavar="P",
+                     help="sample from the locally typical set of mass P")
+    gen.add_argument("--repetition-penalty", type=in_range(float, 0, low_open=True), metavar="R",
+                     help="default 1.0 (off)")
+    gen.add_argument("--presence-penalty", type=in_range(float, -2, 2), metavar="X",
+                     help="lower a generated token's logit by X, -2 to 2 (default 0)")
+    gen.add_argument("--frequency-penalty", type=in_range(float, -2, 2), metavar="X",
+                     help="lower it by X for each time it was generated, -2 to 2 (default 0)")
+    gen.add_argument("--no-repeat-ngram-size", type=in_range(int, 0), metavar="N",
+                     help="never repeat an N-gram (default 0, off)")
+    gen.add_argument("--min-new-tokens", type=in_range(int, 0), metavar="N",
+                     help="no end of text before N new tokens (default 0)")
+    gen.add_argument("--eos-token-id", type=in_range(int, 0), nargs="+", action="extend", metavar="ID",
+                     help="the ids that end a text (default 50256, <|endoftext|>)")
+    gen.add_argument("--bad-words", type=_word, action="append", metavar="WORD",
+                     help="never write the word WORD after a space (tokenized as ' WORD', as transformers advises); repeatable")
+    gen.add_argument("--seed", type=in_range(int, 0), help="make the output reproducible")
+    gen.add_argument("--no-stop", action="store_true", help="go on past <|endoftext|> (or --eos-token-id)")
+    gen.add_argument("--slide", action="store_true",
+                     help="at the end of the context, drop the oldest tokens and go on")
+    gen.add_argument("--num-beams", type=in_range(int, 1), default=1, metavar="N",
+                     help="beam search with N beams when N > 1 (default 1: sampling)")
+    gen.add_argument("--num-return-sequences", type=in_range(int, 1), metavar="N",
+                     help="texts per prompt: the N best beams, or N samples (default 1)")
+    gen.add_argument("--length-penalty", type=in_range(float), metavar="L",
+                     help="beam search: a score is divided by length ** L (default 1.0; above 0 favours long)")
+    gen.add_argument("--early-stopping", choices=list(cli_generate.EARLY_STOPPING),
+                     help="beam search: stop once N beams ended (true), once none can do better (false, the "
+                     "default), or that judged at --max-new-tokens (never)")
+    gen.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                     help="with --prompts-file: generate on a Ray cluster with Ray Data, the same records in the "
+                     "prompts' order: the address of an existing cluster, or none to start a local one (the [ray] "
+                     "extra); --threads is each worker's, --batch-size the prompts a worker runs at once (default 64)")
+    gen.add_argument("--output", type=Path, metavar="DIR", help="with --ray: write the records to DIR instead of stdout")
+    gen.add_argument("--format", choices=["jsonl", "parquet"], help="with --output (default jsonl)")
+
+    check = commands.add_parser(
+        "check", parents=[weights],
+        help="prefill random prompts, decode greedily, compare every logit with the float64 oracle",
+        description="Prefill random prompts, decode greedily, and compare every step's logits with "
+        "the float64 oracle. Exits 1 on a mismatch.")
+    check.add_argument("--prompts", type=in_range(int, 1), default=3, help="random prompts to try (default 3)")
+    check.add_argument("--prompt-len", type=in_range(int, 1), default=64, help="tokens per prompt (default 64)")
+    check.add_argument("--decode", type=in_range(int, 0), default=8,
+                       help="greedy steps after each prefill (default 8)")
+    check.add_argument("--seed", type=in_range(int, 0), default=0, help="seed of the random prompts")
+
+    score = commands.add_parser(
+        "score", parents=[weights], help="log-likelihood and perplexity of documents, one JSON line each",
+        description="Score documents: every token's log-probability given those before it (sliding windows "
+        "past the context). Writes one JSON line per document: source, index, tokens (scored), nll (nats), "
+        "perplexity, bits_per_byte; corpus totals and a progress bar go to stderr.")
+    score.add_argument("files", nargs="*", metavar="FILE", default=["-"],
+                       help="plain text (one document per file) or JSON lines; - or nothing reads stdin")
+    score.add_argument("--lines", action="store_true", help="plain text: one document per line")
+    score.add_argument("--field", metavar="NAME",
+                       help="the files are JSON lines with the text in NAME (default for .jsonl files: text)")
+    score.add_argument("--stride", type=in_range(int, 1), help="sliding-window stride (default n_positions // 2)")
+    score.add_argument("--batch-size", type=in_range(int, 1), default=16, metavar="N",
+                       help="documents scored together in one pass (default 16)")
+    score.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                       help="score on a Ray cluster with Ray Data: the address of an existing one, or none to "
+                       "start a local one (needs the [ray] extra; files, not stdin)")
+    score.add_argument("--output", type=Path, metavar="DIR", help="with --ray: write the scored dataset to DIR")
+    score.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="with --output (default jsonl)")
+    score.add_argument("--html", type=Path, metavar="REPORT",
+                       help="instead of the JSON lines, write the tokens of the first documents (--html-documents, "
+                       f"default {REPORT_DOCUMENTS}) coloured by probability or rank into one self-contained HTML "
+                       "file (no server, nothing fetched); each document's first n_positions - 1 tokens")
+    score.add_argument("--html-documents", type=in_range(int, 1), default=REPORT_DOCUMENTS, metavar="N",
+                       help=f"with --html: how many documents, from the first (default {REPORT_DOCUMENTS})")
+
+    serve = commands.add_parser(
+        "serve", parents=[weights],
+        help="an OpenAI-compatible HTTP server with continuous batching (the [serve] extra)",
+        description="Serve the model over HTTP, speaking OpenAI's completions API (/v1/completions, "
+        "/v1/models) plus /health, /tokenize, /detokenize and /v1/inspect (every token's probability and rank); "
+        "GET / is a playground page. Requests share decode steps.")
+    key = serve.add_mutually_exclusive_group()  # --api-key or --api-key-file
+    for name, default, flag in serve_flags():  # each setting's default and help are ServeConfig's
+        parse = (in_range(int, flag.at_least, flag.at_most) if flag.at_least is not None
+                 else in_range(float, 0, low_open=True) if flag.positive else str)
+        (key if name == "api_key" else serve).add_argument(
+            "--" + name.replace("_", "-"), type=parse, default=default, metavar=flag.metavar, help=flag.help)
+        if name == "api_key":
+            key.add_argument("--api-key-file", type=Path, metavar="PATH",
+                             help="the same, the key read from a file (not visible in ps)")
+
+    commands.add_parser("bench", help="the benchmark against transformers (gpt2numba bench --help)")
+    return parser
+
+
 def _documents(args):
     """(source, index, text) of every document, in order (documents.split: the errors name file and line)."""
     for name in args.files:
@@ -174,14 +189,16 @@ def _serve(args) -> int:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise ConfigError(f"serve needs the [serve] extra (pip install 'gpt2numba[serve]'): {e}") from None
+        raise ConfigError(f"serve needs the [serve] extra (pip install -e \".[serve]\"): {e}") from None
     from .serve import run
     from .tokenizer import load_tokenizer
 
     w, path, _ = resolve_model(args.model, args.dtype)
     settings = {name: getattr(args, name) for name, *_ in serve_flags()}
-    config = ServeConfig(**settings | {"api_key": _api_key(args), "model_name": args.model_name or None,
-                                       "kv_dtype": args.kv_dtype})
+    config = ServeConfig(**settings | {"api_key": _api_key(args), "kv_dtype": args.kv_dtype,
+                                       "model_name": args.model_name or (RANDOM_NAME if path is None else None)})
+    if path is None:
+        print(f"gpt2numba: {RANDOM_NOTE}; /v1/models lists them as {config.model_name}", file=sys.stderr)
     run(w, load_tokenizer(path), config.named(args.model))
     return 0
 
@@ -210,11 +227,16 @@ def _score(args) -> int:
     from .scoring import score_batch
     from .tokenizer import load_tokenizer
 
+    for name in args.files:  # before any model loads
+        if name != "-" and not Path(name).is_file():
+            raise ConfigError(f"FILE {name!r}: {'a directory' if Path(name).is_dir() else 'no such file'}")
     if args.html:
         return _score_html(args)
     if args.ray or args.output:
         return _score_ray(args)
     w, path, _ = resolve_model(args.model, args.dtype)
+    if path is None:
+        print(f"gpt2numba: {RANDOM_NOTE}", file=sys.stderr)
     tokenizer = load_tokenizer(path)
     docs, failure = [], None
     try:
@@ -232,8 +254,9 @@ def _score(args) -> int:
                                                                          stride=args.stride, kv_dtype=args.kv_dtype)):
                 size = len(text.encode("utf-8"))
                 print(json.dumps({"source": source, "index": index, "tokens": s.n_tokens, "nll": s.nll,
-                                  "perplexity": _finite(s.perplexity),
-                                  "bits_per_byte": s.nll / math.log(2) / size if size else None}), flush=True)
+                                  "perplexity": _finite(s.perplexity),  # (null with no token scored)
+                                  "bits_per_byte": s.nll / math.log(2) / size if size and s.n_tokens else None}),
+                      flush=True)
                 nll, tokens, n_bytes = nll + s.nll, tokens + s.n_tokens, n_bytes + size
                 bar.update(len(ids))
     seconds = time.perf_counter() - t0
@@ -397,29 +420,9 @@ def _compare(logits, ids, w) -> tuple[float, bool]:
     return float(np.abs(logits - ref).max()), agreement(logits, ref, w.dtype)[0]
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-    return value
-
-
 def _word(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("must not be empty")
     return text
 
 
-def _at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-    return parse

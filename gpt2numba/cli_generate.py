@@ -15,10 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from .documents import utf8
-from .errors import GPT2NumbaError
-from .models import resolve_model
+from .errors import CacheFullError, GPT2NumbaError
+from .models import RANDOM_NOTE, resolve_model
 
-RANDOM_NOTE = "random GPT-2 small weights (seed 0): the text is meaningless; pass --model for a real checkpoint"
 
 # The library's settings by the flag that sets them: Sampler's alone, beam_search's alone, and both's
 # (bad_words_ids comes from --bad-words, through the tokenizer). A flag left out takes the library's default.
@@ -31,7 +30,9 @@ EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
 
 def conflict(args) -> str | None:
     """What is wrong with the flags given together, naming them; None when they go together."""
-    if (args.prompt is None) == (args.prompts_file is None):
+    if args.prompt is None and args.prompts_file is None:
+        return "give a PROMPT to continue, or --prompts-file"
+    if args.prompt is not None and args.prompts_file is not None:
         return "give a PROMPT or --prompts-file, not both"
     if args.prompts_file is None and args.batch_size is not None:
         return "--batch-size goes with --prompts-file"
@@ -125,6 +126,11 @@ def _stream(prompt, w, tokenizer, slide, options, t0) -> int:
     from .sample import generate, prompt_ids, text_stream
 
     ids = prompt_ids(prompt, tokenizer)
+    context, wanted = w.config.n_positions, len(ids) + options["max_new_tokens"]
+    if not slide and wanted > context:  # (generate says so too, naming its parameters: here, the flags)
+        raise CacheFullError(f"the prompt's {len(ids)} tokens and --max-new-tokens {options['max_new_tokens']} "
+                             f"make {wanted}, past the model's context of {context} positions: ask for fewer "
+                             f"new tokens, or give --slide")
     tokens = generate(ids, w, slide=slide, **options)
     sys.stdout.write(prompt)
     sys.stdout.flush()

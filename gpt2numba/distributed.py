@@ -55,8 +55,8 @@ class _Scorer:
         batch["tokens"] = np.array([s.n_tokens for s in scores], np.int64)
         batch["nll"] = np.array([s.nll for s in scores])
         batch["perplexity"] = np.array([s.perplexity for s in scores])
-        batch["bits_per_byte"] = np.array([s.nll / math.log(2) / n if (n := len(t.encode("utf-8"))) else math.nan
-                                           for s, t in zip(scores, texts)])
+        batch["bits_per_byte"] = np.array([s.nll / math.log(2) / n if (n := len(t.encode("utf-8"))) and s.n_tokens
+                                           else math.nan for s, t in zip(scores, texts)])  # (NaN: none scored)
         return batch
 
 
@@ -67,7 +67,7 @@ def cluster(address: str):
     try:
         import ray
     except ImportError:
-        raise GPT2NumbaError("--ray needs Ray Data: pip install 'gpt2numba[ray]'") from None
+        raise GPT2NumbaError("--ray needs Ray Data: pip install -e \".[ray]\"") from None
     ray.init(address=address, include_dashboard=False, log_to_driver=False)
     try:
         yield ray

@@ -11,16 +11,20 @@ from .errors import GPT2NumbaError
 def split(data: bytes, source: str, lines: bool = False, field: str | None = None):
     """(source, index, text) of each document in one file's bytes, in order.
 
-    Without ``lines`` or ``field`` the whole file is one document (index 0); with ``lines`` each line is one
-    (index: the line's number from 0, blank lines included); with ``field`` each line is a JSON object whose
-    ``field`` holds the text. GPT2NumbaError naming the source and line for bytes that are not UTF-8 or a
+    Without ``lines`` or ``field`` the whole file is one document (index 0); with ``lines`` each line is one,
+    with ``field`` each line is a JSON object whose ``field`` holds the text. Blank lines (whitespace only) are
+    no documents, as generate's --prompts-file skips them: a document's index is its place among the file's
+    documents, from 0, in both. GPT2NumbaError naming the source and line for bytes that are not UTF-8 or a
     line that is not the JSON asked for.
     """
     if field is None and not lines:
         yield source, 0, utf8(data, source, 1)
         return
+    index = 0
     for n, line in enumerate(data.split(b"\n")[: -1 if data.endswith(b"\n") else None]):
         text = utf8(line, source, n + 1)
+        if not text.strip():
+            continue
         if field is not None:
             try:
                 record = json.loads(text)
@@ -29,7 +33,8 @@ def split(data: bytes, source: str, lines: bool = False, field: str | None = Non
             if not isinstance(record, dict) or not isinstance(record.get(field), str):
                 raise GPT2NumbaError(f'{source}, line {n + 1}: no string field "{field}"')
             text = record[field]
-        yield source, n, text
+        yield source, index, text
+        index += 1
 
 
 def field_of(name: str, field: str | None) -> str | None:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import stat
 import sys
 from pathlib import Path
 
@@ -476,6 +477,9 @@ def save_weights(w: GPT2Weights, path: str | Path, dtype: str | None = None) -> 
                                            "layer_norm_epsilon")}
     config |= {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # safetensors writes its file for its owner alone (0600); the weights get the mode the umask gives
+    # config.json, as any file the user writes
+    os.chmod(path / "model.safetensors", stat.S_IMODE((path / "config.json").stat().st_mode))
 
 
 def _cast16(a: np.ndarray, dtype: str) -> np.ndarray:

@@ -317,3 +317,169 @@ def test_generate_sampling_settings_reach_the_sampler(gpt2_vocab, tmp_path):
     r = run("generate", prompts[0], *flags)
     assert r.returncode == 0, r.stderr
     assert r.stdout == "".join(f"{prompts[0]}{continuation(tokens, tok)}\n" for tokens in expected[:2])
+
+
+# --- every number a flag takes is checked where it is typed (argtypes.py) ----------------------------------
+
+def _parsers():
+    """(command, parser) of every command line: gpt2numba's, each of its commands', the benchmark's."""
+    import argparse
+
+    from gpt2numba import bench, cli
+
+    top = cli.build_parser()
+    found = [("gpt2numba", top)]
+    for action in top._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found += [(f"gpt2numba {name}", sub) for name, sub in action.choices.items()]
+    return found + [("gpt2numba bench", bench._parser())]
+
+
+def _number_flags():
+    for command, parser in _parsers():
+        for action in parser._actions:
+            if action.option_strings and action.type is not None:
+                yield command, action
+
+
+def test_every_number_flag_has_a_range():
+    """A flag whose type is a bare int or float would take any value: each must have argtypes.in_range's."""
+    bare = [f"{command} {a.option_strings[-1]}" for command, a in _number_flags() if a.type in (int, float)]
+    assert not bare, f"number flags without a range: {bare}"
+    assert sum(hasattr(a.type, "bounds") for _, a in _number_flags()) >= 50
+
+
+def _outside(bounds):
+    """Values just outside a range, as typed: below it, above it, not a number of its kind, not finite."""
+    kind, low, high, low_open, high_open = bounds
+    step = 1 if kind is int else 0.5
+    values = ["x", "nan" if kind is float else "1.5"]
+    if low is not None:
+        values.append(str(low if low_open else low - step))
+    if high is not None:
+        values.append(str(high if high_open else high + step))
+    return values
+
+
+def test_a_number_out_of_range_is_refused_naming_the_flag():
+    """Every number flag refuses values outside its range, in a message naming the flag as typed and the value,
+    before anything loads (argparse's exit 2)."""
+    import contextlib
+    import io
+
+    checked = 0
+    for command, action in _number_flags():
+        if not hasattr(action.type, "bounds"):
+            continue
+        parser = dict(_parsers())[command]
+        flag = action.option_strings[-1]
+        for value in _outside(action.type.bounds):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit:
+                parser.parse_args([flag, value] + (["1"] * (action.nargs == 2)))
+            assert exit.value.code == 2
+            assert f"argument {flag}" in err.getvalue() and action.type.range in err.getvalue(), err.getvalue()
+            assert value in err.getvalue()
+            checked += 1
+    assert checked >= 100
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["serve", "--port", "70000"], "argument --port: must be an integer in [0, 65535], got 70000"),
+    (["generate", "x", "--top-p", "2"], "argument --top-p: must be a number in (0, 1], got 2"),
+    (["generate", "x", "--top-p", "0"], "argument --top-p: must be a number in (0, 1], got 0"),
+    (["generate", "x", "--top-k", "0"], "argument --top-k: must be an integer at least 1, got 0"),
+    (["generate", "x", "--temperature", "-1"], "argument --temperature: must be a number at least 0, got -1"),
+])
+def test_the_issues_examples(argv, said):
+    r = run(*argv)
+    assert r.returncode == 2 and said in r.stderr, r.stderr
+
+
+def test_generate_without_a_prompt_says_so():
+    r = run("generate", "--max-new-tokens", "3")
+    assert r.returncode == 2 and "give a PROMPT to continue, or --prompts-file" in r.stderr, r.stderr
+
+
+def test_score_names_a_missing_file_before_loading(tmp_path):
+    r = run("score", str(tmp_path / "missing.txt"), env={"GPT2NUMBA_WEIGHTS": str(tmp_path / "nowhere")})
+    assert r.returncode == 1 and "missing.txt" in r.stderr and "no such file" in r.stderr, r.stderr
+    assert "documents" not in r.stderr  # no summary of nothing
+
+
+def test_past_the_context_names_the_flags(tmp_path):
+    write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path)
+    r = run("generate", "Hello", "--model", str(tmp_path), "--max-new-tokens", "100")
+    assert r.returncode == 1 and "--max-new-tokens 100" in r.stderr and "--slide" in r.stderr, r.stderr
+
+
+def test_version():
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"gpt2numba {g.__version__}"
+
+
+# --- one rule each: hub names, blank lines, one-token documents, files' modes --------------------------------
+
+@pytest.mark.parametrize("name, hub", [
+    ("gpt2", True), ("openai-community/gpt2", True), ("gpt2-medium", True),
+    ("./gpt2", False), ("a/b/c", False), ("model.safetensors", False), ("/abs/gpt2", False),
+    ("here/gpt2", False),  # a folder "here" exists: a missing local path, not a hub name
+    ("made", False),       # exists here: the local checkpoint wins
+])
+def test_hub_names_as_the_hub_reads_them(tmp_path, monkeypatch, name, hub):
+    from gpt2numba import models
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here").mkdir()
+    (tmp_path / "made").mkdir()
+    assert models.is_hub_name(name) is hub
+
+
+def test_a_missing_path_is_reported_missing_and_a_hub_name_goes_to_the_hub(tmp_path, monkeypatch):
+    from gpt2numba import models
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here").mkdir()
+    asked = []
+    monkeypatch.setattr(models, "_download", lambda name: asked.append(name) or tmp_path / "nothing")
+    with pytest.raises(g.CheckpointNotFoundError, match="here/gpt2"):
+        models.resolve_model("here/gpt2")
+    assert asked == []
+    with pytest.raises(g.CheckpointNotFoundError):
+        models.resolve_model("gpt2")
+    assert asked == ["gpt2"]
+
+
+def test_blank_lines_are_no_documents_in_score_as_in_generate():
+    from gpt2numba.documents import split
+
+    assert list(split(b"a\n\n  \nb\n", "f", lines=True)) == [("f", 0, "a"), ("f", 1, "b")]
+    assert list(split(b'{"text": "a"}\n\n{"text": "b"}', "f", field="text")) == [("f", 0, "a"), ("f", 1, "b")]
+
+
+def test_a_document_with_nothing_to_score_reports_no_perplexity(tmp_path):
+    write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")
+    (tmp_path / "one.txt").write_text("Hello")  # one token: nothing is predicted
+    r = run("score", str(tmp_path / "one.txt"), "--model", str(tmp_path / "ckpt"))
+    assert r.returncode == 0, r.stderr
+    line = json.loads(r.stdout.splitlines()[0])
+    assert line["tokens"] == 0 and line["perplexity"] is None and line["bits_per_byte"] is None
+
+
+def test_score_on_random_weights_says_so(tmp_path):
+    (tmp_path / "doc.txt").write_text("Hello world")
+    r = run("score", str(tmp_path / "doc.txt"), env={"GPT2NUMBA_WEIGHTS": ""})
+    assert r.returncode == 0 and "random GPT-2 small weights" in r.stderr, r.stderr
+
+
+def test_saved_weights_have_the_configs_mode(tmp_path):
+    import stat
+
+    g.save_weights(g.random_weights(TINY, seed=0), tmp_path)
+    modes = {name: stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("model.safetensors", "config.json")}
+    assert modes["model.safetensors"] == modes["config.json"], modes
+
+
+def test_a_bad_weights_variable_is_named(tmp_path):
+    r = run("generate", "Hi", env={"GPT2NUMBA_WEIGHTS": str(tmp_path / "nowhere")})
+    assert r.returncode == 1 and "$GPT2NUMBA_WEIGHTS=" in r.stderr and "nowhere" in r.stderr, r.stderr

@@ -12,7 +12,7 @@ import gpt2numba as g
 from checkpoints import write_dir
 from conftest import TINY_GPT2
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'gpt2numba[ray]')")
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e \".[ray]\")")
 
 CONFIG = TINY_GPT2
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "", "x",

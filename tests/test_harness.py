@@ -18,7 +18,7 @@ from conftest import TINY_GPT2
 # the tasks read local JSON lines: nothing may be looked up on the Hugging Face hub
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'gpt2numba[eval]')")
+lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e \".[eval]\")")
 
 # GPT-2's vocabulary (the tokenizer's), two small layers, a 64-token context: windows are exercised
 CONFIG = TINY_GPT2

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 httpx = pytest.importorskip("httpx")
-pytest.importorskip("selenium", reason="the browser tests need selenium (pip install -e '.[test]')")
+pytest.importorskip("selenium", reason="the browser tests need selenium (pip install -e \".[test]\")")
 from selenium import webdriver  # noqa: E402
 from selenium.common.exceptions import TimeoutException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402

@@ -117,7 +117,7 @@ def test_bench_score(tmp_path):
         for workload in ("long", "docs"):
             assert report[workload]["same_tokens_scored"] and report[workload]["max_rel_nll_diff"] < 1e-4
     else:
-        print("transformers is not installed: the comparison was skipped (pip install 'gpt2numba[bench]')")
+        print("transformers is not installed: the comparison was skipped (pip install -e \".[bench]\")")
     assert "tok/s" in r.stdout and "Ray Data" in r.stdout
 
 
@@ -200,8 +200,8 @@ def test_bench_throughput_skips_what_does_not_fit(tmp_path):
 
 
 def test_bench_throughput_against_transformers(tmp_path):
-    pytest.importorskip("torch", reason="the transformers comparison needs torch (pip install 'gpt2numba[bench]')")
-    pytest.importorskip("transformers", reason="the comparison needs transformers (pip install 'gpt2numba[bench]')")
+    pytest.importorskip("torch", reason="the transformers comparison needs torch (pip install -e \".[bench]\")")
+    pytest.importorskip("transformers", reason="the comparison needs transformers (pip install -e \".[bench]\")")
     t, stdout = _bench_throughput(tmp_path, "--dtypes", "float32")
     for entry in (t["batches"]["1"], t["batches"]["3"], t["ragged"]):
         decode = entry["decode"]
@@ -214,8 +214,8 @@ def test_bench_throughput_against_transformers(tmp_path):
 def test_bench_against_transformers_checks_itself(tmp_path):
     """transformers runs in a process of its own that never imports gpt2numba, reports its threads, and is
     measured once more in a plain process beside the bench's figure (tox's hf env runs this: torch is there)."""
-    pytest.importorskip("torch", reason="the transformers comparison needs torch (pip install 'gpt2numba[bench]')")
-    pytest.importorskip("transformers", reason="the comparison needs transformers (pip install 'gpt2numba[bench]')")
+    pytest.importorskip("torch", reason="the transformers comparison needs torch (pip install -e \".[bench]\")")
+    pytest.importorskip("transformers", reason="the comparison needs transformers (pip install -e \".[bench]\")")
     write_dir(g.random_weights(TINY, seed=0), tmp_path / "ckpt")
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "bench.py"), "--model", str(tmp_path / "ckpt"),
@@ -236,7 +236,7 @@ def test_bench_against_transformers_checks_itself(tmp_path):
 def test_bench_llama(tmp_path):
     """llama.cpp beside us on GGUF files of the same tiny model (GPT-2's vocabulary): where llama-cpp-python is
     installed (the [peers] extra, kept out of the test extra: it compiles llama.cpp for minutes)."""
-    pytest.importorskip("llama_cpp", reason="llama.cpp's benchmark needs llama-cpp-python (pip install -e '.[peers]')")
+    pytest.importorskip("llama_cpp", reason="llama.cpp's benchmark needs llama-cpp-python (pip install -e \".[peers]\")")
     write_dir(g.random_weights(dataclasses.replace(TINY_GPT2, n_positions=1024), seed=0), tmp_path / "ckpt")
     out = tmp_path / "llama.json"
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--llama", "--model", str(tmp_path / "ckpt"),
@@ -254,7 +254,7 @@ def test_bench_llama(tmp_path):
 def _needs_ct2():
     for name in ("ctranslate2", "torch", "transformers"):
         pytest.importorskip(name, reason=f"CTranslate2's benchmark needs {name} (its converter reads a transformers "
-                                         "checkpoint): pip install 'gpt2numba[peers,bench]'")
+                                         "checkpoint): pip install -e \".[peers,bench]\"")
 
 
 @pytest.mark.slow
@@ -319,7 +319,7 @@ def test_bench_neighbour_ct2(tmp_path):
 def test_bench_neighbour_llama(tmp_path):
     """llama.cpp under the same neighbour, on GGUF files of a tiny model with GPT-2's vocabulary: decode and
     prefill in F32 and Q8_0, and the note that it runs no more; where llama-cpp-python is installed."""
-    pytest.importorskip("llama_cpp", reason="llama.cpp's benchmark needs llama-cpp-python (pip install -e '.[peers]')")
+    pytest.importorskip("llama_cpp", reason="llama.cpp's benchmark needs llama-cpp-python (pip install -e \".[peers]\")")
     write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "gpt2numba", "bench", "--neighbour", "--model", str(tmp_path / "ckpt"),

@@ -14,7 +14,7 @@ from checkpoints import write_dir
 from conftest import TINY_GPT2
 from gpt2numba.cli import main
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'gpt2numba[ray]')")
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e \".[ray]\")")
 
 CONFIG = TINY_GPT2
 TEXTS = ["The quick brown fox", "", "Once upon a time", "x", "A longer prompt, of a dozen tokens or so, to run",

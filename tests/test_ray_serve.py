@@ -14,8 +14,8 @@ import gpt2numba as g
 from checkpoints import write_dir
 from conftest import TINY_GPT2
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'gpt2numba[ray]')")
-serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'gpt2numba[ray]')")
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e \".[ray]\")")
+serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install -e \".[ray]\")")
 openai = pytest.importorskip("openai", reason="the server's tests need the openai client (the test extra)")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette", reason="the server needs the [serve] extra")

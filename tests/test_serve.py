@@ -372,6 +372,44 @@ def test_choices_of_neighbouring_seeds_do_not_collide(server):
     assert second != server.client.completions.create(n=1, seed=4, **kw).choices[0].text
 
 
+def test_every_request_leaves_a_log_line_refused_ones_too(server):
+    """docs/serving.md: one line per request, with its status (AccessLog), whatever the status."""
+    marks = {"/nowhere-404": 404, "/v1/completions": 400}
+    httpx.get(f"{server.url}/nowhere-404", timeout=60)
+    assert httpx.get(f"{server.url}/v1/completions", timeout=60).status_code == 405
+    server.post("/v1/completions", {"prompt": "x", "max_tokens": -5})
+    wait_until(lambda: server.log_lines("GET /v1/completions 405"), "the 405's log line", 30)
+    for path, status in marks.items():
+        assert server.log_lines(f" {path} {status} "), server.log.read_text()[-2000:]
+
+
+@pytest.mark.slow
+def test_random_weights_say_so(tmp_path):
+    """Without --model or $GPT2NUMBA_WEIGHTS the server runs random GPT-2 small: its output and /v1/models say
+    so, not "gpt2"."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path / "server.log"
+    process = subprocess.Popen([sys.executable, "-m", "gpt2numba", "serve", "--port", str(port)],
+                               stdout=log.open("w"), stderr=subprocess.STDOUT,
+                               env={k: v for k, v in os.environ.items() if k != "GPT2NUMBA_WEIGHTS"})
+    try:
+        def up():
+            assert process.poll() is None, log.read_text()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+        wait_until(up, "the server")
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=60).json()
+        assert [m["id"] for m in models["data"]] == ["random-gpt2-small"]
+        assert "random GPT-2 small weights (seed 0)" in log.read_text() and "serving random-gpt2-small" in log.read_text()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+
+
 def test_models_health_tokenize_detokenize(server, local):
     _, tok = local
     models = server.client.models.list()

@@ -283,3 +283,11 @@ def test_best_of_is_bounded_as_n_is(model):
         with pytest.raises(serve.ApiError) as e:
             serve.parse_completion({"prompt": [1], field: 129}, tok, 128, 50257)
         assert e.value.param == field
+
+
+@pytest.mark.parametrize("top_p", [0, 1.5, -1])
+def test_top_p_out_of_range_names_one_range(served, top_p):
+    """0 and 1.5 are refused in the same words: the range is (0, 1] either way."""
+    client, _ = served
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "top_p": top_p})
+    assert r.status_code == 400 and r.json()["error"]["message"] == f"top_p must be in (0, 1], got {top_p}"

@@ -12,7 +12,7 @@ run by run (A B A B ...) so drift on a shared machine hits both. The floors come
 from this machine in the same run: streaming read bandwidth (decode reads every
 weight once per token) and float32 GEMM rate at a GPT-2 shape (prefill is matrix
 products; so is a decode step of many sequences). transformers and torch are
-optional (pip install 'gpt2numba[bench]'); without them only our figures and the
+optional (pip install -e \".[bench]\"); without them only our figures and the
 floors are printed.
 """
 
@@ -24,6 +24,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from ..argtypes import COUNT, in_range
 from ..compact import DTYPES
 from . import ct2, floor, llama, neighbour, scoring, standard, throughput
 from .core import machine, set_idle_patience, wait_for_idle
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and (section is not standard or args.no_throughput):
         parser.error("--plot draws the throughput section: not with --no-throughput or another section")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        parser.error("--plot needs matplotlib: pip install 'gpt2numba[bench]'")
+        parser.error("--plot needs matplotlib: pip install -e \".[bench]\"")
     args.lengths = args.lengths or ([128, 512] if args.llama else [16, 128, 512, 1024])
     args.contexts = args.contexts or ([128, 900] if args.llama else [16, 128, 900])
 
@@ -70,22 +71,22 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpt2numba bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (default: seeded random GPT-2 small, written to a temp dir)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--idle-patience", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--threads", type=COUNT, default=2, help="threads each system runs on (default 2)")
+    p.add_argument("--idle-patience", type=in_range(float, 0), default=30.0, metavar="SECONDS",
                    help="before each timed block, wait up to this long for a quiet machine (0: do not wait)")
-    p.add_argument("--lengths", type=int, nargs="+", help="prompt lengths (default 16 128 512 1024; --llama: 128 512)")
-    p.add_argument("--contexts", type=int, nargs="+", help="decode after these (default 16 128 900; --llama: 128 900)")
-    p.add_argument("--repeat", type=int, default=5, help="prefill runs per length (median)")
-    p.add_argument("--steps", type=int, default=64, help="decode steps per context (median)")
-    p.add_argument("--bandwidth-mib", type=int, default=1024, help="array size for the read-bandwidth floor")
+    p.add_argument("--lengths", type=COUNT, nargs="+", help="prompt lengths (default 16 128 512 1024; --llama: 128 512)")
+    p.add_argument("--contexts", type=COUNT, nargs="+", help="decode after these (default 16 128 900; --llama: 128 900)")
+    p.add_argument("--repeat", type=COUNT, default=5, help="prefill runs per length (median)")
+    p.add_argument("--steps", type=COUNT, default=64, help="decode steps per context (median)")
+    p.add_argument("--bandwidth-mib", type=COUNT, default=1024, help="array size for the read-bandwidth floor")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES, help="gpt2numba's weight formats to run")
-    p.add_argument("--accuracy-prompts", type=int, default=16,
+    p.add_argument("--accuracy-prompts", type=COUNT, default=16,
                    help="random prompts for the compact formats' accuracy figures")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64],
+    p.add_argument("--batch-sizes", type=COUNT, nargs="+", default=[1, 4, 8, 16, 32, 64],
                    help="sequences decoding together (throughput)")
-    p.add_argument("--batch-context", type=int, default=128, help="context of every sequence (throughput)")
-    p.add_argument("--batch-steps", type=int, default=16, help="decode_batch steps per batch size (median)")
-    p.add_argument("--transformers-max-s", type=float, default=120.0,
+    p.add_argument("--batch-context", type=COUNT, default=128, help="context of every sequence (throughput)")
+    p.add_argument("--batch-steps", type=COUNT, default=16, help="decode_batch steps per batch size (median)")
+    p.add_argument("--transformers-max-s", type=in_range(float, 0, low_open=True), default=120.0,
                    help="skip transformers' generate at a batch predicted (from the last one) to take longer")
     p.add_argument("--no-throughput", action="store_true", help="skip the batched (throughput) section")
     p.add_argument("--no-transformers", action="store_true", help="only gpt2numba and the floors")
@@ -95,13 +96,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="draw the throughput section, tokens/s against sequences per step, here (matplotlib)")
     scoring = p.add_argument_group("scoring", "gpt2numba bench --score runs this section alone (float32)")
     scoring.add_argument("--score", action="store_true", help="the scoring benchmark instead of the above")
-    scoring.add_argument("--score-long", type=int, default=4096, metavar="TOKENS", help="the long document")
-    scoring.add_argument("--score-stride", type=int, default=512, help="its sliding windows' stride")
-    scoring.add_argument("--score-docs", type=int, default=200, metavar="N", help="short documents")
-    scoring.add_argument("--score-doc-tokens", type=int, nargs=2, default=[100, 300], metavar=("LOW", "HIGH"),
+    scoring.add_argument("--score-long", type=COUNT, default=4096, metavar="TOKENS", help="the long document")
+    scoring.add_argument("--score-stride", type=COUNT, default=512, help="its sliding windows' stride")
+    scoring.add_argument("--score-docs", type=COUNT, default=200, metavar="N", help="short documents")
+    scoring.add_argument("--score-doc-tokens", type=COUNT, nargs=2, default=[100, 300], metavar=("LOW", "HIGH"),
                          help="their lengths, uniform in [LOW, HIGH]")
-    scoring.add_argument("--score-batch", type=int, default=16, help="transformers' documents per padded batch")
-    scoring.add_argument("--score-repeat", type=int, default=3, help="runs per workload (median)")
+    scoring.add_argument("--score-batch", type=COUNT, default=16, help="transformers' documents per padded batch")
+    scoring.add_argument("--score-repeat", type=COUNT, default=3, help="runs per workload (median)")
     scoring.add_argument("--ray", action="store_true",
                          help="also the short documents through Ray Data on a local cluster (the [ray] extra)")
     p.add_argument("--llama", action="store_true",

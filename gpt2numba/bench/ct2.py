@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..argtypes import COUNT
 from .core import (Remote, alternate, dtype_name, gpt2numba_system, peer_settings, percent, print_peer_settings,
                    progress, summary)
 from .peers.ct2 import system
@@ -46,15 +47,15 @@ def add_arguments(p) -> None:
     group = p.add_argument_group("ctranslate2", "gpt2numba bench --ct2 runs this section alone")
     group.add_argument("--ct2", action="store_true",
                        help="CTranslate2 on the same weights instead of the above (the [peers] and [bench] extras)")
-    group.add_argument("--ct2-batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="prompts per generate")
-    group.add_argument("--ct2-prompt", type=int, default=128, help="ids per prompt")
-    group.add_argument("--ct2-tokens", type=int, default=64, help="greedy tokens per prompt")
-    group.add_argument("--ct2-beams", type=int, default=4, help="beam search's beams")
-    group.add_argument("--ct2-beam-prompts", type=int, default=8, help="prompts per beam search")
-    group.add_argument("--ct2-docs", type=int, default=200, help="documents to score")
-    group.add_argument("--ct2-doc-tokens", type=int, nargs=2, default=[100, 300], metavar=("LOW", "HIGH"),
+    group.add_argument("--ct2-batch-sizes", type=COUNT, nargs="+", default=[1, 8, 32], help="prompts per generate")
+    group.add_argument("--ct2-prompt", type=COUNT, default=128, help="ids per prompt")
+    group.add_argument("--ct2-tokens", type=COUNT, default=64, help="greedy tokens per prompt")
+    group.add_argument("--ct2-beams", type=COUNT, default=4, help="beam search's beams")
+    group.add_argument("--ct2-beam-prompts", type=COUNT, default=8, help="prompts per beam search")
+    group.add_argument("--ct2-docs", type=COUNT, default=200, help="documents to score")
+    group.add_argument("--ct2-doc-tokens", type=COUNT, nargs=2, default=[100, 300], metavar=("LOW", "HIGH"),
                        help="their lengths, uniform in [LOW, HIGH]")
-    group.add_argument("--ct2-repeat", type=int, default=3, help="timed runs per system and workload (median)")
+    group.add_argument("--ct2-repeat", type=COUNT, default=3, help="timed runs per system and workload (median)")
 
 
 def missing() -> list[str]:
@@ -109,7 +110,7 @@ class _Vocabulary:
 def run(args, model_dir, w) -> dict:
     """The section's figures: {"ctranslate2", "same_model", "accuracy", "generate", "score"}."""
     if missing():
-        raise SystemExit(f"{', '.join(missing())} not installed: pip install 'gpt2numba[peers,bench]'")
+        raise SystemExit(f"{', '.join(missing())} not installed: pip install -e \".[peers,bench]\"")
     prompts, docs = _workload(w.config, args)
     report = {"prompt": args.ct2_prompt, "new_tokens": args.ct2_tokens, "repeat": args.ct2_repeat,
               "docs": {"documents": len(docs), "doc_tokens": list(args.ct2_doc_tokens)}}

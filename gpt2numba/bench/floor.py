@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..argtypes import COUNT
 from .core import Load, Remote, gpt2numba_system, percent, progress, read_bandwidth, wait_for_idle
 
 
@@ -20,9 +21,9 @@ def add_arguments(p) -> None:
     group = p.add_argument_group("floor", "gpt2numba bench --floor runs this section alone")
     group.add_argument("--floor", action="store_true",
                        help="each format's decode step against the time to read its bytes once")
-    group.add_argument("--floor-context", type=int, default=128, help="decode after a prompt of this many tokens")
-    group.add_argument("--floor-steps", type=int, default=16, help="decode steps per run (their mean)")
-    group.add_argument("--floor-repeat", type=int, default=5, help="runs per format (median)")
+    group.add_argument("--floor-context", type=COUNT, default=128, help="decode after a prompt of this many tokens")
+    group.add_argument("--floor-steps", type=COUNT, default=16, help="decode steps per run (their mean)")
+    group.add_argument("--floor-repeat", type=COUNT, default=5, help="runs per format (median)")
 
 
 def run(args, model_dir, w) -> dict:

@@ -37,7 +37,7 @@ def run(args, model_dir, w) -> dict:
         systems = [*mine, *theirs]
         try:
             if theirs[0].version is None:
-                raise SystemExit("llama-cpp-python is not installed: pip install -e '.[peers]'")
+                raise SystemExit("llama-cpp-python is not installed: pip install -e \".[peers]\"")
             report["llama_cpp"] = theirs[0].version
             report["peers"] = peer_settings(theirs)
             report["same_model"], report["accuracy"] = _accuracy(systems, w, args)

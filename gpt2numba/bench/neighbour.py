@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..argtypes import COUNT
 from .. import pool
 from ..config import GPT2Config
 from . import ct2, llama
@@ -55,10 +56,10 @@ def add_arguments(p) -> None:
     group.add_argument("--neighbour-workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     group.add_argument("--neighbour-systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
                        help="gpt2numba in --dtypes, CTranslate2 and llama.cpp (each where installed)")
-    group.add_argument("--neighbour-tokens", type=int, default=64, help="new tokens per prompt in gen8 and gen32")
-    group.add_argument("--neighbour-docs", type=int, default=200, help="documents in score")
-    group.add_argument("--neighbour-steps", type=int, default=32, help="decode steps per run in decode")
-    group.add_argument("--neighbour-repeat", type=int, default=3, help="runs per condition (median)")
+    group.add_argument("--neighbour-tokens", type=COUNT, default=64, help="new tokens per prompt in gen8 and gen32")
+    group.add_argument("--neighbour-docs", type=COUNT, default=200, help="documents in score")
+    group.add_argument("--neighbour-steps", type=COUNT, default=32, help="decode steps per run in decode")
+    group.add_argument("--neighbour-repeat", type=COUNT, default=3, help="runs per condition (median)")
 
 
 def run(args, model_dir, w) -> dict:
@@ -96,14 +97,14 @@ def _systems(args, model_dir, w, tmp, notes):
     if "ct2" in args.neighbour_systems:
         if ct2.missing():
             notes.append(f"CTranslate2 skipped: {', '.join(ct2.missing())} not installed "
-                         "(pip install 'gpt2numba[peers,bench]')")
+                         "(pip install -e \".[peers,bench]\")")
         else:
             models = ct2.convert(w, tmp, CT2_TYPES)
             for ct in CT2_TYPES:
                 yield "CTranslate2", ct, lambda c=ct: start_peer(ct2.system, c, models[c], threads), WORKLOADS
     if "llama" in args.neighbour_systems:
         if importlib.util.find_spec("llama_cpp") is None:
-            notes.append("llama.cpp skipped: llama-cpp-python is not installed (pip install 'gpt2numba[peers]'; "
+            notes.append("llama.cpp skipped: llama-cpp-python is not installed (pip install -e \".[peers]\"; "
                          "it compiles llama.cpp at install, many minutes)")
         else:
             from ..gguf_export import write_gguf

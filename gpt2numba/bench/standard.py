@@ -36,7 +36,7 @@ def run(args, model_dir, w) -> dict:
                                                           args.threads)
     if theirs is None and not args.no_transformers:
         print("transformers or torch is not installed: printing gpt2numba and the floors only "
-              "(pip install 'gpt2numba[bench]')", file=sys.stderr)
+              "(pip install -e \".[bench]\")", file=sys.stderr)
     report["transformers"] = theirs.version if theirs else None
     systems = [*mine, *([theirs] if theirs else [])]
     try:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import FileResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -79,7 +80,7 @@ def create_app(w: GPT2Weights, tokenizer: Tokenizer, config: ServeConfig | None 
         Route("/detokenize", routes.detokenize, methods=["POST"]),
         Route("/tokenizer_info", routes.tokenizer_info, methods=["GET"]),
     ], exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
-        lifespan=routes.lifespan)
+        lifespan=routes.lifespan, middleware=[Middleware(AccessLog)])
     app.state.engine = engine
     return app
 
@@ -334,6 +335,29 @@ async def _internal_error(request, e: Exception):
 
 def _error(e: ApiError):
     return json_response(e.body(), e.status, e.headers)
+
+
+class AccessLog:
+    """One log line per request, refused ones too (400, 401, 404, 405, 503): method, path, status, seconds,
+    once its response has gone (uvicorn's own access log is off: server.run)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        since, status = time.perf_counter(), []
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            log.info("%s %s %s %.3f s", scope["method"], scope["path"], status[0] if status else "-",
+                     time.perf_counter() - since)
 
 
 def _log(job: Job):

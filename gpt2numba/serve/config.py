@@ -19,12 +19,13 @@ __all__ = ["CONNECTION_SETTINGS", "Flag", "ServeConfig", "flags"]
 @dataclasses.dataclass(frozen=True)
 class Flag:
     """How `gpt2numba serve` takes a setting: --its-name, ``help`` (argparse fills in %(default)s), a metavar,
-    and its values: integers from ``at_least``, numbers above 0 (``positive``), or any text."""
+    and its values: integers from ``at_least`` (to ``at_most``), numbers above 0 (``positive``), or any text."""
 
     help: str
     metavar: str | None = None
     at_least: int | None = None
     positive: bool = False
+    at_most: int | None = None
 
 
 def _setting(default, flag: Flag | None = None, *, connection: bool = False):
@@ -40,7 +41,8 @@ class ServeConfig:
 
     host: str = _setting("127.0.0.1", Flag("address to bind (default %(default)s: this machine only)"),
                          connection=True)
-    port: int = _setting(8000, Flag("default %(default)s", at_least=0), connection=True)
+    port: int = _setting(8000, Flag("default %(default)s", at_least=0, at_most=65535),
+                         connection=True)
     max_batch: int = _setting(16, Flag("sequences in flight at once (default %(default)s)", "N", at_least=1))
     # Prompt rows a step feeds beside its decode rows (chunked prefill): the streams in flight take a token at
     # each step while a long prompt is prefilled. 16 keeps their slowest gaps near 2.2-2.4x a plain step's;

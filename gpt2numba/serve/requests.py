@@ -156,9 +156,7 @@ def _typed(body, fields: dict) -> None:
 def _sampler(get, max_tokens: int, vocab_size: int) -> Sampler:
     """The sampling fields as a Sampler: OpenAI's, in OpenAI's ranges, and vLLM's extras in vLLM's."""
     temperature = _in_range(get("temperature"), 1.0, 0, 2, "temperature")
-    top_p = _in_range(get("top_p"), 1.0, 0, 1, "top_p")
-    if top_p == 0:
-        raise ApiError(400, "top_p must be in (0, 1]", "top_p")
+    top_p = _in_range(get("top_p"), 1.0, 0, 1, "top_p", low_open=True)
     top_k = get("top_k")
     if top_k is not None and top_k < -1:
         raise ApiError(400, f"top_k must be an integer >= 1, or -1 or 0 for none, got {top_k}", "top_k")
@@ -193,11 +191,13 @@ def _logit_bias(value: dict | None, vocab_size: int) -> dict[int, float] | None:
     return bias or None
 
 
-def _in_range(value, default, low, high, name):
+def _in_range(value, default, low, high, name, low_open=False):
+    """``value`` (``default`` for None) if within [low, high] ((low, high] with ``low_open``), else a 400
+    naming the field, the range and the value."""
     if value is None:
         return default
-    if not low <= value <= high:
-        bounds = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
+    if not (low < value if low_open else low <= value) or not value <= high:
+        bounds = f">= {low}" if high == math.inf else f"in {'(' if low_open else '['}{low}, {high}]"
         raise ApiError(400, f"{name} must be {bounds}, got {value}", name)
     return value
 
