@@ -90,6 +90,10 @@ def run(args) -> int:
         tokenizer = load_tokenizer(path)
     if path is None:
         print(f"gpt2numba: {RANDOM_NOTE}", file=sys.stderr)
+    vocab = w.config.vocab_size if w is not None else math.inf  # (on Ray the workers hold the weights, and check)
+    if past := [t for t in args.eos_token_id or [] if t >= vocab]:
+        raise GPT2NumbaError(f"--eos-token-id {' '.join(map(str, past))}: past the model's vocabulary of {vocab} "
+                             f"ids (0 to {vocab - 1})")
     n = args.num_return_sequences or 1
     beam = args.num_beams > 1
     options = {name: getattr(args, name) for name in (BEAM if beam else SAMPLER) + BOTH

