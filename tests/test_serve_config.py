@@ -27,7 +27,8 @@ def served_config(monkeypatch, *flags_given) -> ServeConfig:
 
 
 def test_the_serve_command_takes_every_default_from_serve_config(monkeypatch):
-    assert served_config(monkeypatch) == ServeConfig(model_name="gpt2")
+    # (served_config's weights come without a path: the random default, which /v1/models names as such)
+    assert served_config(monkeypatch) == ServeConfig(model_name="random-gpt2-small")
 
 
 def test_every_flag_reaches_the_server(monkeypatch):
