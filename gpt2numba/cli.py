@@ -227,13 +227,15 @@ def _score(args) -> int:
     from .scoring import score_batch
     from .tokenizer import load_tokenizer
 
+    if args.html and (args.ray or args.output):
+        raise GPT2NumbaError("--html goes without --ray and --output")
+    if args.ray or args.output:  # (Ray reads the files, on its nodes: folders and remote paths too)
+        return _score_ray(args)
     for name in args.files:  # before any model loads
         if name != "-" and not Path(name).is_file():
             raise ConfigError(f"FILE {name!r}: {'a directory' if Path(name).is_dir() else 'no such file'}")
     if args.html:
         return _score_html(args)
-    if args.ray or args.output:
-        return _score_ray(args)
     w, path, _ = resolve_model(args.model, args.dtype)
     if path is None:
         print(f"gpt2numba: {RANDOM_NOTE}", file=sys.stderr)
@@ -276,8 +278,6 @@ def _score_html(args) -> int:
     from .tokenizer import load_tokenizer
     from .tokenview import inspect_ids
 
-    if args.ray or args.output:
-        raise GPT2NumbaError("--html goes without --ray and --output")
     w, path, source = resolve_model(args.model, args.dtype)
     tokenizer, limit = load_tokenizer(path), w.config.n_positions - 1
     documents = []

@@ -123,6 +123,7 @@ def get_threads() -> int:
 threadlayer.launch()  # TBB or workqueue beneath, never a second OpenMP runtime beside torch's (threadlayer.py)
 if pool.enabled():
     pool.install()
+_REGIONS_ON_LAYER = not pool.enabled()  # for good: a process picks where its regions run once
 
 
 # --- validation: everything is checked before any cache is touched -----------------------------------
@@ -204,7 +205,7 @@ def forward_pass(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache
     written = np.repeat(pos0[:, None], cfg.n_layer, axis=1)  # (B, n_layer) positions each layer holds
     tiles, bounds = _attention_plan(row0, pos0, cfg.n_head, n_chunks)
     eps = cfg.layer_norm_epsilon
-    with threadlayer.turns(not pool.enabled()), pool.pinned(), one_blas_thread():
+    with threadlayer.turns(_REGIONS_ON_LAYER), pool.pinned(), one_blas_thread():
         for layer in range(cfg.n_layer):
             _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
             matmul(h, "c_attn_w", layer, w.c_attn_b[layer], qkv, False, w, work, n_chunks)

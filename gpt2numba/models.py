@@ -60,11 +60,12 @@ def _download(name: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise GPT2NumbaError(f"{name!r} is not a local path; fetching it from the Hugging Face hub needs "
+        raise GPT2NumbaError(f"no file or folder {name!r} here, and fetching it from the Hugging Face hub needs "
                              "huggingface_hub: pip install -e \".[hub]\"") from None
     try:
         return Path(snapshot_download(name, allow_patterns=[
             "config.json", "model.safetensors", "tokenizer.json", "vocab.json", "merges.txt"]))
     except Exception as e:  # the hub's errors are many; all mean "not available here"
-        raise GPT2NumbaError(f"cannot fetch {name!r} from the Hugging Face hub: {type(e).__name__}: "
+        raise GPT2NumbaError(f"no file or folder {name!r} here, and the Hugging Face hub gave no checkpoint of "
+                             f"that name: {type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}") from None

@@ -188,5 +188,6 @@ def one_blas_thread():
         with _blas_lock:
             _blas_limit[1] -= 1
             if not _blas_limit[1]:
-                _blas_limit.pop(0).restore_original_limits()
-                _blas_limit.clear()
+                limiter = _blas_limit[0]
+                _blas_limit.clear()  # (first: a failed restore must not leave the count behind)
+                limiter.restore_original_limits()

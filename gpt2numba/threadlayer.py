@@ -4,9 +4,10 @@ Numba's default order is TBB, then OpenMP, then workqueue. Two things make that 
 the ``tbb`` wheel puts ``libtbb.so.12`` in ``<environment>/lib``, which the loader does not search in a
 virtual environment, so Numba falls through to the system's GNU OpenMP; and a second GNU OpenMP runtime in a
 process that holds torch's makes torch several times slower (pytorch/pytorch#98836; docs/performance.md,
-"Beside torch"). So launch() loads TBB from the wheel's own files where the loader cannot find it, and takes
-workqueue where TBB is missing. A layer the user names ($NUMBA_THREADING_LAYER, or numba.config before
-gpt2numba is imported) is Numba's to honour, OpenMP included.
+"Beside torch"). So launch() loads TBB from the tbb wheel's own files (from the loader's path where the
+wheel is absent), and takes workqueue where TBB is missing or Numba refuses it. A layer the user chooses
+($NUMBA_THREADING_LAYER or $NUMBA_THREADING_LAYER_PRIORITY, or numba.config before gpt2numba is imported)
+is Numba's to honour, OpenMP included.
 
 launch() changes nothing the process owns: it puts Numba's config back as it found it, writes no variable
 to ``os.environ`` and starts no OpenMP runtime. On x86-64 Linux the regions run on gpt2numba's pool (pool.py)
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import sys
 import threading
 from importlib import metadata
@@ -32,44 +34,46 @@ _turns = threading.RLock()  # one pass at a time where the regions run on workqu
 
 
 def launch() -> None:
-    """Launch Numba's threading layer, if nothing has yet: the one the user named, else TBB where it loads,
-    else workqueue."""
+    """Launch Numba's threading layer, if nothing has yet: the one the user chose, else TBB where it loads
+    and Numba takes it, else workqueue."""
     from numba.np.ufunc import parallel
 
     if parallel._is_initialized:
         _why[:] = ["launched before gpt2numba was imported"]
         return
     named = str(numba.config.THREADING_LAYER).lower()
-    if named != "default":
-        _why[:] = [f"named by the user ({named})"]
+    if named != "default" or os.environ.get("NUMBA_THREADING_LAYER_PRIORITY"):
+        _why[:] = [f"chosen by the user ({named if named != 'default' else '$NUMBA_THREADING_LAYER_PRIORITY'})"]
         parallel._launch_threads()
         return
     found = load_tbb()
-    chosen = "tbb" if found else "workqueue"
-    _why[:] = [f"TBB from {found}" if found else "TBB is not installed here, and OpenMP would not coexist"]
-    numba.config.THREADING_LAYER = chosen  # (Numba's own config, put back at once: only the launch reads it)
-    try:
-        parallel._launch_threads()
-    finally:
-        numba.config.THREADING_LAYER = named
+    for chosen in ("tbb", "workqueue") if found else ("workqueue",):
+        numba.config.THREADING_LAYER = chosen  # (Numba's own config, put back at once: only the launch reads it)
+        try:
+            parallel._launch_threads()
+        except ValueError as e:  # "No threading layer could be loaded": a TBB Numba refuses (older than 2021.6)
+            _why[:] = [f"Numba refused TBB from {found}: {str(e).splitlines()[0]}"]
+            continue
+        finally:
+            numba.config.THREADING_LAYER = named
+        if chosen == "tbb":
+            _why[:] = [f"TBB from {found}"]
+        elif not _why:
+            _why[:] = ["TBB is not installed here, and OpenMP would not coexist"]
+        return
 
 
 def load_tbb() -> str | None:
-    """Load the TBB runtime Numba's TBB layer links to, from the loader's path or else from the ``tbb``
-    distribution's own files; where from, or None when neither has it."""
+    """Load the TBB runtime Numba's TBB layer links to: the ``tbb`` distribution's own file (the dependency
+    gpt2numba declares), else one on the loader's path; where from, or None when neither has it."""
     name = TBB_LIBRARY.get(sys.platform)
     if name is None:
         return None
     try:
-        _tbb[:] = [ctypes.CDLL(name)]
-        return "the loader's path"
-    except OSError:
-        pass
-    try:
-        files = metadata.files("tbb") or []
         dist = metadata.distribution("tbb")
+        files = dist.files or []
     except metadata.PackageNotFoundError:
-        return None
+        files = []
     for file in files:
         if file.name == name:
             path = Path(dist.locate_file(file)).resolve()
@@ -77,8 +81,12 @@ def load_tbb() -> str | None:
                 _tbb[:] = [ctypes.CDLL(str(path))]  # by its soname, Numba's tbbpool then finds this copy
                 return f"the tbb package ({path})"
             except OSError:
-                return None
-    return None
+                break
+    try:
+        _tbb[:] = [ctypes.CDLL(name)]
+        return "the loader's path"
+    except OSError:
+        return None
 
 
 def turns(regions_here: bool):

@@ -472,6 +472,7 @@ def test_a_document_with_nothing_to_score_reports_no_perplexity(tmp_path):
     assert line["tokens"] == 0 and line["perplexity"] is None and line["bits_per_byte"] is None
 
 
+@pytest.mark.slow
 def test_score_on_random_weights_says_so(tmp_path):
     (tmp_path / "doc.txt").write_text("Hello world")
     r = run("score", str(tmp_path / "doc.txt"), env={"GPT2NUMBA_WEIGHTS": ""})
@@ -479,11 +480,13 @@ def test_score_on_random_weights_says_so(tmp_path):
 
 
 def test_saved_weights_have_the_configs_mode(tmp_path):
-    import stat
-
-    g.save_weights(g.random_weights(TINY, seed=0), tmp_path)
-    modes = {name: stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("model.safetensors", "config.json")}
-    assert modes["model.safetensors"] == modes["config.json"], modes
+    """Under a umask of 022 both files are 0644 (safetensors alone writes 0600)."""
+    script = ("import os, sys; os.umask(0o022); import gpt2numba as g; "
+              "g.save_weights(g.random_weights(g.GPT2Config(n_layer=1, n_head=2, n_embd=64, n_positions=16, "
+              "vocab_size=64), seed=0), sys.argv[1])")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=300)
+    modes = {name: oct((tmp_path / name).stat().st_mode & 0o777) for name in ("model.safetensors", "config.json")}
+    assert modes == {"model.safetensors": "0o644", "config.json": "0o644"}, modes
 
 
 def test_a_bad_weights_variable_is_named(tmp_path):

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -34,13 +35,19 @@ class Remote:
         here, or a peer module's ``system`` (a module of bench/peers/, or any file that imports no gpt2numba)."""
         spec, self.peer = make_spec(make)
         self.conn, child = multiprocessing.Pipe()
-        self.process = subprocess.Popen([sys.executable, "-c", BOOT, WORKER, spec, str(child.fileno())],
-                                        pass_fds=[child.fileno()], env=process_environment(self.peer))
-        child.close()
-        self.conn.send((kind, str(model_dir), threads))
         try:
+            self.process = subprocess.Popen([sys.executable, "-c", BOOT, WORKER, spec, str(child.fileno())],
+                                            pass_fds=[child.fileno()], env=process_environment(self.peer))
+        except OSError:
+            self.conn.close()
+            raise
+        finally:
+            child.close()
+        try:
+            self.conn.send((kind, str(model_dir), threads))
             self.name, self.version = self.conn.recv()
-        except EOFError:
+        except (EOFError, BrokenPipeError):
+            self.conn.close()
             raise RuntimeError(f"the worker for {make.__module__}.{make.__name__}({kind!r}) ended before it "
                                f"started (exit status {self.process.wait()}; its error is above)") from None
 
@@ -58,7 +65,12 @@ class Remote:
         return reply
 
     def close(self):
-        self.conn.send(None)
+        """Let the worker end (killed after 30 s), whatever state it is in."""
+        try:
+            self.conn.send(None)
+        except OSError:  # (it has ended already)
+            pass
+        self.conn.close()
         try:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -358,11 +370,16 @@ def process_environment(peer: bool) -> dict:
     """The environment of a process the benchmark starts: the one gpt2numba found at its import (its users'
     own); for gpt2numba's processes, with claims on CPUs off (they take turns: each pins its threads as a lone
     process would, where claims would leave all but the first unpinned)."""
-    from .. import _ENVIRON_AT_IMPORT
+    import gpt2numba
 
-    env = dict(_ENVIRON_AT_IMPORT)
+    env = dict(gpt2numba._ENVIRON_AT_IMPORT)
     if not peer:
         env["GPT2NUMBA_CLAIM_DIR"] = env.get("GPT2NUMBA_CLAIM_DIR") or "off"
+        # the gpt2numba this process runs, importable there too: a checkout run without installing it (an
+        # installed one is found as it is; its folder first on the path could hide the standard library)
+        where = str(Path(gpt2numba.__file__).resolve().parent.parent)
+        if where not in {str(Path(p).resolve()) for p in sysconfig.get_paths().values()}:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [where, env.get("PYTHONPATH")]))
     return env
 
 

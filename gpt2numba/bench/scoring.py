@@ -40,9 +40,9 @@ def run(args, model_dir, w) -> dict:
     theirs = None if args.no_transformers else start_peer(transformers.system, "transformers", model_dir,
                                                                   args.threads)
     report["transformers"] = theirs.version if theirs else None
-    report["peers"] = peer_settings([theirs] if theirs else [])
     systems = [mine, *([theirs] if theirs else [])]
     try:
+        report["peers"] = peer_settings([theirs] if theirs else [])
         jobs = {s.name: _jobs(s.name, long_ids, docs, args) for s in systems}
         for section, method in progress((("long", "score_long"), ("docs", "score_docs")), "scoring"):
             job = {name: jobs[name][method] for name in jobs}

@@ -49,7 +49,7 @@ def run(args, model_dir, w) -> dict:
     finally:
         for remote in systems:
             remote.close()
-    if theirs:
+    if theirs and report["prefill"]:
         report["plain_process"] = _plain_process(model_dir, report["prefill"], args)
     if not args.no_processes:
         report["cold_start"] = _cold_start(model_dir, theirs is not None)

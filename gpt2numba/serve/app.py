@@ -355,6 +355,9 @@ class AccessLog:
             await send(message)
         try:
             await self.app(scope, receive, sending)
+        except Exception:
+            status.append(500)  # (the error handler outside this middleware answers it)
+            raise
         finally:
             log.info("%s %s %s %.3f s", scope["method"], scope["path"], status[0] if status else "-",
                      time.perf_counter() - since)
