@@ -77,7 +77,11 @@ def state():
 # in the process (threadpoolctl and /proc/self/maps) and the threading layer.
 _USE = _STATE + """
 import os, sys
-import threadpoolctl  # (its own import sets KMP_DUPLICATE_LIB_OK: taken before the first reading)
+# Dependencies' own imports change what they change, before the first reading: threadpoolctl sets
+# KMP_DUPLICATE_LIB_OK; on Python 3.10 the server's (anyio, through exceptiongroup) sets sys.excepthook.
+import threadpoolctl
+if "serve" in sys.argv:
+    import starlette.testclient
 before = state()
 import numpy as np
 import gpt2numba as g
