@@ -6,8 +6,6 @@ import os as _os
 # KMP_DUPLICATE_LIB_OK: docs/api.md, "What gpt2numba leaves as it found it"): the benchmark's peers start with it.
 _ENVIRON_AT_IMPORT = dict(_os.environ)
 
-from .beams import Hypothesis, beam_search, beam_search_batch
-from .config import GPT2Config
 from .errors import (
     BatchError,
     CacheError,
@@ -20,7 +18,10 @@ from .errors import (
     TokenError,
     TokenTypeError,
 )
-from .forward import (
+from .model.config import GPT2Config
+from .model.weights import GPT2Weights, load_weights, random_weights, save_weights
+from .model.kvcache import KV_DTYPES, ModelCache
+from .model.forward import (
     decode_batch,
     decode_step,
     default_weights,
@@ -31,12 +32,11 @@ from .forward import (
     run_prefill,
     set_threads,
 )
-from .kvcache import KV_DTYPES, ModelCache
-from .oracle import recompute_all_logits, recompute_logits
-from .scoring import Score, perplexity, score, score_batch, score_text
-from .sample import Sampler, generate, generate_batch, generate_text, generate_text_batch
-from .tokenizer import Tokenizer, load_tokenizer
-from .weights import GPT2Weights, load_weights, random_weights, save_weights
+from .model.oracle import recompute_all_logits, recompute_logits
+from .text.tokenizer import Tokenizer, load_tokenizer
+from .text.scoring import Score, perplexity, score, score_batch, score_text
+from .decoding.sample import Sampler, generate, generate_batch, generate_text, generate_text_batch
+from .decoding.beams import Hypothesis, beam_search, beam_search_batch
 
 __all__ = [
     "GPT2Config", "GPT2Weights", "ModelCache", "KV_DTYPES",

@@ -22,7 +22,8 @@ import time
 import numpy as np
 
 import gpt2numba as g
-from gpt2numba import compact, dispatch, forward, pool, products
+from gpt2numba.cpu import dispatch, pool
+from gpt2numba.model import compact, forward, products
 from gpt2numba.bench.core import Load, machine, set_idle_patience, wait_for_idle
 
 def layer_products(w, rows, threads):

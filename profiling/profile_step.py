@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import gpt2numba as g
-from gpt2numba import compact, forward
+from gpt2numba.model import compact, forward
 
 
 MATRIX_KINDS = {"c_attn_w": "qkv (c_attn)", "attn_c_proj_w": "attn c_proj",

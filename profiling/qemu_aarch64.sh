@@ -18,7 +18,7 @@
 #      (https://pypi.org/simple) is used: the host's pip configuration (file:// indexes, constraints)
 #      is not seen inside the root (PIP_CONFIG_FILE=/dev/null).
 #   5. Prints uname -m, platform.machine(), numba's and llvmlite's versions, the threading layer, the CPU
-#      name and features LLVM sees, what gpt2numba.dispatch chose and whether gpt2numba's pool is on
+#      name and features LLVM sees, what gpt2numba.cpu.dispatch chose and whether gpt2numba's pool is on
 #      (it is x86-64 only: on aarch64 Numba's own threading layer runs the parallel regions); writes a
 #      2-layer random checkpoint (n_embd 128, 2 heads of 64, GPT-2's vocabulary) to /var/tmp/gpt2numba-small
 #      inside the root; then runs, each under `timeout $CHECK_TIMEOUT nice -n 10`,
@@ -224,7 +224,7 @@ echo "--- gpt2numba's choices on this CPU:"
 rc=0
 status_of "${IN_ROOT[@]}" python - <<'EOF' || rc=$?
 import gpt2numba
-from gpt2numba import dispatch, pool
+from gpt2numba.cpu import dispatch, pool
 print("dispatch.FEATURES:", dispatch.FEATURES, "(None: not x86)")
 print("dispatch.CHOICES:", dispatch.CHOICES)
 print("pool.enabled():", pool.enabled(), "(x86-64 Linux only; off: Numba's own threading layer runs the regions)")

@@ -72,7 +72,7 @@ def _generate(model: Path, args) -> dict:
     import ray
 
     import gpt2numba as g
-    from gpt2numba.distributed import generate_dataset
+    from gpt2numba.integrations.distributed import generate_dataset
 
     g.set_threads(args.threads)
     w = g.load_weights(model)

@@ -134,7 +134,7 @@ def _beside_busy_loop(url: str, args) -> dict:
 def _llama_levels(model: Path, args, tmp: Path) -> dict:
     """The same levels against llama.cpp's OpenAI-compatible server (python -m llama_cpp.server)."""
     import gpt2numba as g
-    from gpt2numba.gguf_export import write_gguf
+    from gpt2numba.integrations.gguf_export import write_gguf
 
     gguf = write_gguf(g.load_weights(model), tmp / "model-f32.gguf", "F32")
     port = _free_port()
@@ -179,7 +179,7 @@ def _wait(server, url: str, path: str, log: Path) -> str:
 def _prompts(rng, count: int, args) -> list[str]:
     """Texts of --prompt-tokens random GPT-2 ids each (text, so that any server takes them; they
     re-encode to about as many tokens)."""
-    from gpt2numba.tokenizer import load_tokenizer
+    from gpt2numba.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()
     return [tokenizer.decode(ids) for ids in rng.integers(0, tokenizer.eot_id, (count, args.prompt_tokens))]

@@ -3,7 +3,7 @@
 import numpy as np
 
 import gpt2numba as g
-from gpt2numba import oracle
+from gpt2numba.model import oracle
 from conftest import record_diff
 
 
@@ -117,7 +117,7 @@ def hold_after_first_step(monkeypatch):
     the engine thread, its events not yet out) until ``go`` is set. Returns (armed, stepped, go)."""
     import threading
 
-    from gpt2numba.batching import Batch
+    from gpt2numba.decoding.batching import Batch
 
     armed, stepped, go = threading.Event(), threading.Event(), threading.Event()
     step = Batch.step

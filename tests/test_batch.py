@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import gpt2numba as g
 from conftest import TINY, TINY_GPT2
-from gpt2numba import compact, oracle
+from gpt2numba.model import compact, oracle
 from helpers import LENGTHS, check_batch_rounds, check_generate_batch
 from test_prefill import prompts
 
@@ -245,7 +245,7 @@ def test_bad_decode_batch(tiny, two, tokens, caches, error, match):
     assert_all_unchanged(mcs, snapshots)
 
 
-@pytest.mark.parametrize("module, step", [("forward", "_attend"), ("products", "_rows_product")])
+@pytest.mark.parametrize("module, step", [("model.forward", "_attend"), ("model.products", "_rows_product")])
 def test_interrupted_batch_leaves_every_cache(tiny, two, monkeypatch, module, step):
     """An exception inside the layer loop, or in the output head once every layer wrote its rows."""
     import importlib
@@ -278,7 +278,7 @@ def test_bad_generate_batch(tiny, prompts, options, error, match):
 def test_a_sequence_that_leaves_drops_its_cache(tiny):
     """Done or removed, a sequence holds no cache, whoever still holds the sequence (the server's requests
     may outlive their sequences). Catches a batch that keeps the cache with the sequence."""
-    from gpt2numba.batching import Batch
+    from gpt2numba.decoding.batching import Batch
 
     batch = Batch(tiny, 2)
     done = batch.add([1, 2], max_new_tokens=1, sampler=g.Sampler(0.0), rng=np.random.default_rng(0))

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpt2numba import blas
+from gpt2numba.cpu import blas
 from helpers import randn
 
 dims = st.integers(1, 40)

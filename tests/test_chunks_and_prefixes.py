@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import gpt2numba as g
 from conftest import TINY, TINY_GPT2
 from helpers import counted_step
-from gpt2numba import batching
-from gpt2numba.prefixes import BLOCK, PrefixCache
+from gpt2numba.decoding import batching
+from gpt2numba.decoding.prefixes import BLOCK, PrefixCache
 
 NEW_TOKENS = 3
 

@@ -433,7 +433,7 @@ def test_version():
     ("made", False),       # exists here: the local checkpoint wins
 ])
 def test_hub_names_as_the_hub_reads_them(tmp_path, monkeypatch, name, hub):
-    from gpt2numba import models
+    from gpt2numba.model import models
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "here").mkdir()
@@ -442,7 +442,7 @@ def test_hub_names_as_the_hub_reads_them(tmp_path, monkeypatch, name, hub):
 
 
 def test_a_missing_path_is_reported_missing_and_a_hub_name_goes_to_the_hub(tmp_path, monkeypatch):
-    from gpt2numba import models
+    from gpt2numba.model import models
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "here").mkdir()
@@ -457,7 +457,7 @@ def test_a_missing_path_is_reported_missing_and_a_hub_name_goes_to_the_hub(tmp_p
 
 
 def test_blank_lines_are_no_documents_in_score_as_in_generate():
-    from gpt2numba.documents import split
+    from gpt2numba.text.documents import split
 
     assert list(split(b"a\n\n  \nb\n", "f", lines=True)) == [("f", 0, "a"), ("f", 1, "b")]
     assert list(split(b'{"text": "a"}\n\n{"text": "b"}', "f", field="text")) == [("f", 0, "a"), ("f", 1, "b")]

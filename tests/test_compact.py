@@ -17,8 +17,9 @@ from threadpoolctl import threadpool_limits
 import gpt2numba as g
 from checkpoints import write_dir
 from conftest import TINY
-from gpt2numba import compact, dispatch, intkernels, inttiles, matkernels, oracle
-from gpt2numba.dispatch import INT_ROWS_MAX
+from gpt2numba.cpu import dispatch, intkernels, inttiles, matkernels
+from gpt2numba.cpu.dispatch import INT_ROWS_MAX
+from gpt2numba.model import compact, oracle
 from helpers import check_chunks, check_generate_batch, check_prefill, randn
 
 COMPACT = ["bfloat16", "int8", "int4"]
@@ -256,7 +257,7 @@ VNNI_CPUS = {"icelake-server": _BASE + ",+avx512f,+avx512cd,+avx512bw,+avx512dq,
 _COMPILE_FOR_VNNI = """
 import json, numba
 from numba import types
-from gpt2numba import intkernels, inttiles
+from gpt2numba.cpu import intkernels, inttiles
 fresh = numba.njit(inttiles._int_tiles.py_func, parallel=True)
 c2 = lambda dtype: types.Array(dtype, 2, "C")
 fresh.compile((c2(numba.from_dtype(inttiles.WIDE)), c2(types.float32), types.int64, c2(types.int8), c2(types.float32), types.none,

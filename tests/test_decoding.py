@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import gpt2numba as g
 from conftest import TINY
-from gpt2numba.processors import Processors
+from gpt2numba.decoding.processors import Processors
 from test_generate import assert_follows, draw, softmax
 
 VOCAB = 12

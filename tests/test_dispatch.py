@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpt2numba import dispatch
+from gpt2numba.cpu import dispatch
 
 _SSE = {"64bit", "sse", "sse2", "sse3", "ssse3", "sse4.1", "sse4.2", "popcnt", "cx16"}
 _AVX2 = _SSE | {"avx", "avx2", "fma", "f16c", "bmi", "bmi2", "lzcnt", "movbe"}

@@ -88,7 +88,7 @@ def assert_same_records(got: str, expected: str):
 
 
 def test_score_dataset_equals_score_in_process(model, cluster):
-    from gpt2numba.distributed import score_dataset
+    from gpt2numba.integrations.distributed import score_dataset
 
     path, w = model
     tok = g.load_tokenizer()
@@ -104,7 +104,7 @@ def test_score_dataset_equals_score_in_process(model, cluster):
 
 
 def test_score_dataset_checks_its_arguments(cluster):
-    from gpt2numba.distributed import score_dataset
+    from gpt2numba.integrations.distributed import score_dataset
 
     ds = ray.data.from_items([{"text": "a"}])
     for kwargs, match in [({"threads_per_worker": 0}, "threads_per_worker"), ({"stride": 0}, "stride"),

@@ -22,7 +22,8 @@ import json, sys
 import numpy as np
 sys.path.insert(0, "tests")
 import gpt2numba as g
-from gpt2numba import dispatch, oracle
+from gpt2numba.cpu import dispatch
+from gpt2numba.model import oracle
 from conftest import TINY
 out = {"features": sorted(dispatch.FEATURES) if dispatch.FEATURES is not None else None,
        "choices": dispatch.CHOICES._asdict()}
@@ -70,9 +71,9 @@ import json, re, sys, types
 package = types.ModuleType("gpt2numba")  # the package without its __init__, which would import regions
 package.__path__ = ["gpt2numba"]
 sys.modules["gpt2numba"] = package
-from gpt2numba import dispatch
+from gpt2numba.cpu import dispatch
 dispatch.X86 = False  # as dispatch finds it on aarch64, before regions compiles its cfuncs
-from gpt2numba import regions
+from gpt2numba.cpu import regions
 from numba.core.ccallback import CFunc
 cfuncs = {name: f for name, f in vars(regions).items() if isinstance(f, CFunc)}
 json.dump({name: re.findall(r"call void @llvm\\.x86\\.[a-z0-9.]+", f.inspect_llvm()) for name, f in cfuncs.items()},

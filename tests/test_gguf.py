@@ -18,7 +18,7 @@ def weights():
 
 @pytest.mark.parametrize("fmt, atol", [("F32", 0), ("F16", 1e-3), ("Q8_0", 2e-3)])
 def test_tensors_read_back_as_the_weights(weights, tmp_path, fmt, atol):
-    from gpt2numba.gguf_export import write_gguf
+    from gpt2numba.integrations.gguf_export import write_gguf
 
     reader = gguf.GGUFReader(write_gguf(weights, tmp_path / f"m-{fmt}.gguf", fmt))
     tensors = {t.name: t for t in reader.tensors}
@@ -40,7 +40,7 @@ def test_tensors_read_back_as_the_weights(weights, tmp_path, fmt, atol):
 
 
 def test_compact_weights_export_the_values_they_stand_for(weights, tmp_path):
-    from gpt2numba.gguf_export import write_gguf
+    from gpt2numba.integrations.gguf_export import write_gguf
 
     w8 = weights.astype("int8")
     reader = gguf.GGUFReader(write_gguf(w8, tmp_path / "m.gguf", "F32"))
@@ -49,7 +49,7 @@ def test_compact_weights_export_the_values_they_stand_for(weights, tmp_path):
 
 
 def test_a_vocabulary_other_than_gpt2s_is_refused(tmp_path):
-    from gpt2numba.gguf_export import write_gguf
+    from gpt2numba.integrations.gguf_export import write_gguf
 
     with pytest.raises(ValueError, match="GPT-2's vocabulary"):
         write_gguf(g.random_weights(g.GPT2Config(n_layer=1, n_head=2, n_embd=64, n_positions=16, vocab_size=512)),

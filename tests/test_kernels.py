@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from numba import njit, prange, typed
 from threadpoolctl import threadpool_limits
 
-from gpt2numba import chunks, compact, kernels, matkernels, oracle
+from gpt2numba.cpu import chunks, kernels, matkernels
+from gpt2numba.model import compact, oracle
 from helpers import randn
 
 dims = st.integers(1, 40)

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from numba import njit
 
 import gpt2numba as g
-from gpt2numba import compact, kernels, oracle
+from gpt2numba.cpu import kernels
+from gpt2numba.model import compact, oracle
 from conftest import TINY, record_diff
 
 COMPACT = ("float16", "bfloat16")
@@ -328,8 +329,8 @@ def test_prefill_of_the_whole_context(tiny):
 def test_a_prefix_cache_of_compact_rows(tiny):
     """The server's prefix cache keeps a float16 batch's blocks as stored and loads them into float16 caches
     (the logits those give are the full prefill's); extend refuses rows of another dtype."""
-    from gpt2numba.batching import Batch
-    from gpt2numba.prefixes import BLOCK, PrefixCache
+    from gpt2numba.decoding.batching import Batch
+    from gpt2numba.decoding.prefixes import BLOCK, PrefixCache
 
     prompt = list(range(1, 2 * BLOCK + 5))
     prefixes = PrefixCache(TINY, 2**20, "float16")

@@ -85,16 +85,74 @@ def test_every_module_imports():
     assert seen | {"gpt2numba"} == set(modules())
 
 
+# The floors, lowest first: a module imports from its own room or from rooms on floors below, never above
+# and never beside (serve/ and integrations/ know nothing of each other). A room is a subpackage or a module
+# at the top; "__init__" is the package's own public names, which the benchmark and the command line use.
+FLOORS = [
+    {"errors", "argtypes"},
+    {"cpu"},
+    {"model"},
+    {"text"},
+    {"decoding"},
+    {"__init__"},
+    {"serve", "integrations"},
+    {"bench"},
+    {"cli"},
+    {"__main__", "harness"},  # entry points: python -m gpt2numba; the documented path of integrations/harness.py
+]
+MAX_TOP_MODULES = 6
+
+
+def room(name: str) -> str:
+    """The room of a module: gpt2numba.model.forward -> model, gpt2numba.errors -> errors, gpt2numba -> __init__."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def wrong_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """The imports that point up or sideways between rooms, as "a -> b" (a room on no floor counts as wrong)."""
+    floor = {r: level for level, rooms in enumerate(FLOORS) for r in rooms}
+    wrong = []
+    for a, targets in sorted(graph.items()):
+        for b in sorted(targets):
+            ra, rb = room(a), room(b)
+            if ra != rb and not floor.get(rb, len(FLOORS)) < floor.get(ra, -1):
+                wrong.append(f"{a} -> {b}")
+    return wrong
+
+
 def test_no_import_circles():
     known = modules()
     graph = {name: imports(name, path, known) for name, path in known.items()}
-    assert graph["gpt2numba.cli"] >= {"gpt2numba.models", "gpt2numba.bench"}  # the walk sees the arrows
+    assert graph["gpt2numba.cli.commands"] >= {"gpt2numba.model.models", "gpt2numba.bench"}  # the walk sees arrows
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
-    for adapter in ("gpt2numba.harness", "gpt2numba.distributed", "gpt2numba.serve.app", "gpt2numba.serve.engine"):
-        assert "gpt2numba.cli" not in graph[adapter], f"{adapter} imports the command line"
-    assert "gpt2numba.weights" not in graph["gpt2numba.checks"]
+    assert "gpt2numba.model.weights" not in graph["gpt2numba.model.checks"]
     assert not {n for n in graph["gpt2numba.serve.engine"]} & {"gpt2numba.serve.app"}
+
+
+def test_rooms_import_down_only():
+    """Upper floors use lower ones, none the reverse: the kernels know no model, the model no decoding, the
+    library no server, no benchmark, no command line; every room is on a floor."""
+    known = modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    assert not wrong_arrows(graph), "imports against the floors: " + ", ".join(wrong_arrows(graph))
+    assert {room(n) for n in known} == set().union(*FLOORS)  # every room on a floor, no floor empty
+
+
+def test_the_floors_find_a_wrong_arrow():
+    """The check can fail: an arrow down passes; one up, one sideways and one from a room on no floor are named."""
+    assert not wrong_arrows({"gpt2numba.model.forward": {"gpt2numba.cpu.kernels", "gpt2numba.model.kvcache"}})
+    assert wrong_arrows({"gpt2numba.cpu.dispatch": {"gpt2numba.model.compact"}}) == [
+        "gpt2numba.cpu.dispatch -> gpt2numba.model.compact"]
+    assert wrong_arrows({"gpt2numba.serve.engine": {"gpt2numba.integrations.distributed"}})
+    assert wrong_arrows({"gpt2numba.extra": {"gpt2numba.errors"}})
+
+
+def test_a_short_top_level():
+    """The top of the package holds rooms, and only a few modules beside them."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, top
 
 
 def test_the_walk_finds_a_circle():
@@ -177,9 +235,9 @@ def test_the_cpu_is_read_in_dispatch_only():
     """dispatch.py probes the CPU once and holds every choice made from it; no other module reads the CPU's
     features (pool.py's platform.machine() is the architecture the pool is built for, not a feature)."""
     readers = {name: reads for name, path in modules().items()
-               if name != "gpt2numba.dispatch" and (reads := cpu_reads(path.read_text()))}
+               if name != "gpt2numba.cpu.dispatch" and (reads := cpu_reads(path.read_text()))}
     assert not readers, f"modules that read the CPU besides dispatch.py: {readers}"
-    assert cpu_reads((PACKAGE / "dispatch.py").read_text())  # the search sees dispatch's own probes
+    assert cpu_reads((PACKAGE / "cpu" / "dispatch.py").read_text())  # the search sees dispatch's own probes
 
 
 def test_the_search_finds_a_cpu_read():

@@ -14,7 +14,8 @@ import gpt2numba as g
 import helpers
 import test_score
 from conftest import TINY
-from gpt2numba import compact, forward, intkernels, inttiles, kernels, products
+from gpt2numba.cpu import intkernels, inttiles, kernels
+from gpt2numba.model import compact, forward, products
 
 CAUGHT = (AssertionError, g.GPT2NumbaError)
 PROMPTS = [np.random.default_rng(7).integers(0, TINY.vocab_size, n).tolist() for n in helpers.LENGTHS]
@@ -134,7 +135,7 @@ def test_catches_positions_taken_from_the_batch_index(tiny, plans, monkeypatch):
 
 
 def test_catches_a_joining_sequence_fed_only_its_last_token(tiny, monkeypatch):
-    from gpt2numba import batching
+    from gpt2numba.decoding import batching
 
     def last_token_only(seq):  # the prompt's other tokens never reach the cache
         seq.prompt_len, seq.feed = len(seq.ids), seq.ids[-1:]
@@ -148,7 +149,7 @@ def test_catches_a_joining_sequence_fed_only_its_last_token(tiny, monkeypatch):
 # --- scoring ------------------------------------------------------------------------------------------
 
 def test_catches_a_log_softmax_without_the_maximum(tiny, monkeypatch):
-    from gpt2numba import scoring as score
+    from gpt2numba.text import scoring as score
 
     def no_max(wte, scale, h, targets, logprob, best, n_chunks):  # exp(logit) summed as it comes
         logits = h @ wte.T  # float32, as the kernel's
@@ -164,7 +165,7 @@ def test_catches_a_log_softmax_without_the_maximum(tiny, monkeypatch):
 
 
 def test_catches_windows_that_score_the_overlap_twice(tiny, monkeypatch):
-    from gpt2numba import scoring as score
+    from gpt2numba.text import scoring as score
 
     def overlapping(ids, w, stride, kv_dtype):  # each window scores all its tokens, the overlap again
         logprobs, greedy = np.full(len(ids) - 1, np.nan), np.zeros(len(ids) - 1, bool)
@@ -183,7 +184,7 @@ def test_catches_windows_that_score_the_overlap_twice(tiny, monkeypatch):
 
 
 def test_catches_scoring_a_token_from_its_own_logits(tiny, monkeypatch):
-    from gpt2numba import scoring as score
+    from gpt2numba.text import scoring as score
 
     monkeypatch.setattr(score, "_targets", lambda ids: ids.copy())  # position i "predicts" ids[i]
     with pytest.raises(CAUGHT):

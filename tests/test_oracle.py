@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-from gpt2numba import oracle
+from gpt2numba.model import oracle
 
 
 def test_layer_norm_by_hand():

@@ -1,4 +1,4 @@
-"""The thread pool that runs Numba's parallel regions (gpt2numba/pool.py).
+"""The thread pool that runs Numba's parallel regions (gpt2numba/cpu/pool.py).
 
 That results do not depend on it is tests/test_threads.py's: 1 and 2 threads, the pool and each
 of Numba's own layers, Python threads sharing weights. Here: that regions really run on the
@@ -20,7 +20,7 @@ from llvmlite import binding as ll
 from numba import njit, prange
 
 import gpt2numba as g
-from gpt2numba import pool
+from gpt2numba.cpu import pool
 
 from conftest import TINY
 
@@ -74,7 +74,7 @@ def test_reductions_keep_one_slot_per_thread():
 _MANY = """
 import numpy as np, numba
 from numba import njit, prange
-from gpt2numba import pool
+from gpt2numba.cpu import pool
 assert pool._state[pool.NWORK] == 11, pool._state[pool.NWORK]
 
 @njit(parallel=True)

@@ -1,4 +1,4 @@
-"""The pool (gpt2numba/pool.py) outside the plain case: forked children, Python threads at once.
+"""The pool (gpt2numba/cpu/pool.py) outside the plain case: forked children, Python threads at once.
 
 tests/test_pool.py checks the pool's own runtime (thread ids, nesting, the rescue); here, what a
 user's process does around it. Each fork runs in a subprocess of its own, so that no thread of
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import gpt2numba as g
-from gpt2numba import pool
+from gpt2numba.cpu import pool
 
 from conftest import TINY
 
@@ -43,7 +43,7 @@ import os, subprocess, sys, threading, warnings
 import numpy as np
 sys.path.insert(0, "tests")
 import gpt2numba as g
-from gpt2numba import pool
+from gpt2numba.cpu import pool
 from conftest import TINY
 
 w = g.random_weights(TINY, seed=2)
@@ -146,7 +146,7 @@ warnings.simplefilter("always")
 {patch}
 with warnings.catch_warnings(record=True) as caught:
     import gpt2numba as g
-    from gpt2numba import pool
+    from gpt2numba.cpu import pool
     from conftest import TINY
     logits = g.prefill(np.arange(40) * 3 % 512, g.random_weights(TINY, seed=2), g.ModelCache(TINY))
 ours = [str(w.message) for w in caught if "gpt2numba's thread pool is off" in str(w.message)]
@@ -160,7 +160,7 @@ print(hashlib.sha256(logits.tobytes()).hexdigest())
 _EARLY_POOL = """
 sys.modules["gpt2numba"] = types.ModuleType("gpt2numba")
 sys.modules["gpt2numba"].__path__ = ["gpt2numba"]
-import gpt2numba.pool
+import gpt2numba.cpu.pool
 del sys.modules["gpt2numba"]
 """
 
@@ -182,8 +182,8 @@ def test_a_hook_called_otherwise_than_expected_falls_back_to_numbas_layer_with_o
     """A Numba that passes numba_parallel_for one array more than pool.py expects (simulated: the
     expectation changed): the self-check says so once, Numba's layer runs the regions, same logits."""
     patch = _EARLY_POOL + """
-real = gpt2numba.pool._expected_call
-gpt2numba.pool._expected_call = lambda n: {**real(n), "array_count": real(n)["array_count"] + 1}
+real = gpt2numba.cpu.pool._expected_call
+gpt2numba.cpu.pool._expected_call = lambda n: {**real(n), "array_count": real(n)["array_count"] + 1}
 """
     warned, described, state, digest = _fall_back(patch)
     assert len(warned) == 1 and "not the expected" in warned[0] and "'array_count': 3" in warned[0], warned
@@ -196,12 +196,12 @@ def test_thread_ids_that_are_not_the_pools_fail_the_self_check():
     """A get_thread_id that does not know the pool's threads (simulated: their recorded ids wiped once
     they started): the probe's entries, run by those threads, report thread 0, and the check says so."""
     patch = _EARLY_POOL + """
-real = gpt2numba.pool._start
+real = gpt2numba.cpu.pool._start
 def start():
     real()
-    for k in range(1, gpt2numba.pool._state[gpt2numba.pool.NWORK] + 1):
-        gpt2numba.pool._state[gpt2numba.pool.TIDS + 8 * k] = -1
-gpt2numba.pool._start = start
+    for k in range(1, gpt2numba.cpu.pool._state[gpt2numba.cpu.pool.NWORK] + 1):
+        gpt2numba.cpu.pool._state[gpt2numba.cpu.pool.TIDS + 8 * k] = -1
+gpt2numba.cpu.pool._start = start
 """
     warned, described, state, digest = _fall_back(patch)
     assert len(warned) == 1 and "thread ids [0]" in warned[0], warned
@@ -220,7 +220,7 @@ class Late(threading.Event):
             time.sleep({late})
 late = types.ModuleType("threading")  # pool.py's threading, with the late Event
 late.__dict__.update(threading.__dict__, Event=Late)
-gpt2numba.pool.threading = late
+gpt2numba.cpu.pool.threading = late
 """
 
 
@@ -234,7 +234,7 @@ def test_a_pool_thread_that_comes_late_still_runs_the_self_checks_job():
 
 def test_a_pool_thread_that_does_not_come_within_the_wait_fails_the_self_check_without_a_hang():
     """Past the self-check's wait, its caller runs what is left (thread id 0) and the pool falls back."""
-    patch = _LATE_THREADS.format(late=5.0) + "gpt2numba.pool._probe_timeout[:] = (0, 300_000_000)"
+    patch = _LATE_THREADS.format(late=5.0) + "gpt2numba.cpu.pool._probe_timeout[:] = (0, 300_000_000)"
     warned, described, state, digest = _fall_back(patch, timeout=120)
     assert len(warned) == 1 and "thread ids [0]" in warned[0], warned
     assert state == "False False 0"
@@ -244,7 +244,7 @@ def test_a_pool_thread_that_does_not_come_within_the_wait_fails_the_self_check_w
 def test_an_untested_numba_falls_back_unless_forced():
     """Simulated by a tested range that leaves this Numba out (patching numba.__version__ instead would
     rewrite every cached kernel: Numba's cache index records its version)."""
-    patch = _EARLY_POOL + "gpt2numba.pool.TESTED_NUMBA = ((0, 50), (0, 51))"
+    patch = _EARLY_POOL + "gpt2numba.cpu.pool.TESTED_NUMBA = ((0, 50), (0, 51))"
     warned, described, state, _ = _fall_back(patch)
     assert len(warned) == 1 and f"Numba {numba.__version__} is outside" in warned[0], warned
     assert "0.50 to 0.51" in warned[0] and "pool is off" in described
@@ -308,7 +308,7 @@ import numpy as np
 sys.path.insert(0, "tests")
 {patch}
 import gpt2numba as g
-from gpt2numba import pool
+from gpt2numba.cpu import pool
 from conftest import TINY
 logits = g.prefill(np.arange(40) * 3 % 512, g.random_weights(TINY, seed=2), g.ModelCache(TINY))
 print(len(pool._threads) + 1, bool(pool._cpus))
@@ -319,7 +319,7 @@ import hashlib; print(hashlib.sha256(logits.tobytes()).hexdigest())
 
 def test_a_quota_of_one_cpu_gives_a_pool_of_one_thread_unless_gpt2numba_threads_says_otherwise(tmp_path):
     root, proc = _tree(tmp_path, "0::/\n", {"cpu.max": "100000 100000\n"})
-    patch = _EARLY_POOL + f"gpt2numba.pool.CGROUP_ROOT, gpt2numba.pool.PROC_CGROUP = {root!r}, {proc!r}"
+    patch = _EARLY_POOL + f"gpt2numba.cpu.pool.CGROUP_ROOT, gpt2numba.cpu.pool.PROC_CGROUP = {root!r}, {proc!r}"
     env = {"NUMBA_NUM_THREADS": None, "GPT2NUMBA_THREADS": None}
     threads, described, digest = _run(_SIZED.format(patch=patch), env).stdout.splitlines()
     assert threads == "1 False" and "a cgroup quota of 1 CPUs" in described
@@ -336,7 +336,7 @@ import hashlib, sys
 import numpy as np
 sys.path.insert(0, "tests")
 import gpt2numba as g
-from gpt2numba import pool
+from gpt2numba.cpu import pool
 from conftest import TINY
 before = len(pool._threads) + 1
 g.set_threads(2)
@@ -365,7 +365,7 @@ import numpy as np
 sys.path.insert(0, "tests")
 warnings.simplefilter("error", RuntimeWarning)
 import gpt2numba as g
-from gpt2numba import pool
+from gpt2numba.cpu import pool
 from conftest import TINY
 g.set_threads({n})
 w = g.random_weights(TINY, seed=2)
@@ -423,7 +423,7 @@ import sys
 import numpy as np
 sys.path.insert(0, "tests")
 import gpt2numba as g
-from gpt2numba import pool
+from gpt2numba.cpu import pool
 from conftest import TINY
 print(pool.describe(), flush=True)
 g.prefill(np.arange(40) * 3 % 512, g.random_weights(TINY, seed=2), g.ModelCache(TINY))
@@ -469,7 +469,7 @@ def test_a_second_process_on_claimed_cpus_runs_unpinned_and_says_why(tmp_path):
 
 
 _SECOND = """
-from gpt2numba import pool
+from gpt2numba.cpu import pool
 with pool.pinned():  # a forward pass's entry
     print(pool.describe(), pool._cpus)
 """
@@ -480,7 +480,7 @@ import os, sys, warnings
 import numpy as np
 sys.path.insert(0, "tests")
 import gpt2numba as g
-from gpt2numba import pool
+from gpt2numba.cpu import pool
 from conftest import TINY
 
 w = g.random_weights(TINY, seed=2)
@@ -502,7 +502,7 @@ import os, sys, warnings
 import numpy as np
 sys.path.insert(0, "tests")
 import gpt2numba as g
-from gpt2numba import pool
+from gpt2numba.cpu import pool
 from conftest import TINY
 
 w = g.random_weights(TINY, seed=2)

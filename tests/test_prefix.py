@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 import gpt2numba as g
 from conftest import TINY
-from gpt2numba import batching, scoring
+from gpt2numba.text import scoring
+from gpt2numba.decoding import batching
 
 
 def ids(min_size, max_size):

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from gpt2numba import products
+from gpt2numba.model import products
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,7 +85,7 @@ if "serve" in sys.argv:
 before = state()
 import numpy as np
 import gpt2numba as g
-from gpt2numba import threadlayer
+from gpt2numba.cpu import threadlayer
 w = g.random_weights(g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=64), seed=0)
 mc = g.ModelCache(w.config)
 token = int(g.prefill([1, 2, 3], w, mc).argmax())
@@ -283,7 +283,7 @@ def test_load_tbb_finds_the_wheels_copy(tmp_path):
                 Loader.loaded |= str(name).endswith("libtbb.so.12")
         ctypes.CDLL = Loader
         import numba
-        from gpt2numba import threadlayer
+        from gpt2numba.cpu import threadlayer
         print(json.dumps([numba.threading_layer(), threadlayer.describe()]))
     """)
     used, described = _run(script)

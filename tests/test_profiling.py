@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import gpt2numba as g
-from gpt2numba import oracle
+from gpt2numba.model import oracle
 from checkpoints import write_dir
 from conftest import TINY, TINY_GPT2
 

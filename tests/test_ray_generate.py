@@ -12,6 +12,7 @@ import pytest
 import gpt2numba as g
 from checkpoints import write_dir
 from conftest import TINY_GPT2
+from gpt2numba.decoding.sample import prompt_ids
 from gpt2numba.cli import main
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e \".[ray]\")")
@@ -50,7 +51,7 @@ def test_seeded_sampling_equals_generate_batch(model, cluster):
     generate_batch over every prompt in one process (row r's sample j on the stream (seed, 2r + j), not on its
     place in its block); <|endoftext|> (made likely by a logit bias) ends a completion with "stop" and is not
     in its text; an empty prompt starts from <|endoftext|>; each log-probability is score()'s for that token."""
-    from gpt2numba.distributed import generate_dataset
+    from gpt2numba.integrations.distributed import generate_dataset
 
     path, w = model
     tok = g.load_tokenizer()
@@ -58,7 +59,7 @@ def test_seeded_sampling_equals_generate_batch(model, cluster):
     ds = blocks([{"prompt": text, "id": i} for i, text in enumerate(TEXTS)])
     rows = sorted(generate_dataset(ds, str(path), num_return_sequences=2, logprobs=True, concurrency=2,
                                    batch_size=2, **settings).take_all(), key=lambda r: r["id"])
-    prompts = [g.sample.prompt_ids(text, tok) for text in TEXTS]
+    prompts = [prompt_ids(text, tok) for text in TEXTS]
     expected = [[] for _ in range(2 * len(TEXTS))]
     for i, token in g.generate_batch(prompts, w, n=2, **settings):
         expected[i].append(token)
@@ -79,7 +80,7 @@ def test_seeded_sampling_equals_generate_batch(model, cluster):
 def test_greedy_from_token_ids_equals_generate_batch(model, cluster):
     """Greedy generation from lists of token ids (an empty list starts from <|endoftext|>), no seed: the tokens
     generate_batch gives, and one completion per row as plain columns."""
-    from gpt2numba.distributed import generate_dataset
+    from gpt2numba.integrations.distributed import generate_dataset
 
     path, w = model
     rng = np.random.default_rng(0)
@@ -98,7 +99,7 @@ def test_greedy_from_token_ids_equals_generate_batch(model, cluster):
 def test_beam_search_equals_beam_search_batch(model, cluster):
     """num_beams 3 with its own settings: the 2 best hypotheses of beam_search_batch, ids and scores, as lists;
     their log-probabilities, when asked, score()'s."""
-    from gpt2numba.distributed import generate_dataset
+    from gpt2numba.integrations.distributed import generate_dataset
 
     path, w = model
     tok = g.load_tokenizer()
@@ -106,7 +107,7 @@ def test_beam_search_equals_beam_search_batch(model, cluster):
     ds = blocks([{"prompt": text, "id": i} for i, text in enumerate(TEXTS[:5])])
     rows = sorted(generate_dataset(ds, str(path), num_return_sequences=2, logprobs=True, concurrency=2, batch_size=2,
                                    **settings).take_all(), key=lambda r: r["id"])
-    prompts = [g.sample.prompt_ids(text, tok) for text in TEXTS[:5]]
+    prompts = [prompt_ids(text, tok) for text in TEXTS[:5]]
     found = g.beam_search_batch(prompts, w, num_return_sequences=2, **settings)
     assert [[list(ids) for ids in r["completion_ids"]] for r in rows] == [[h.ids for h in hs] for hs in found]
     assert [s for r in rows for s in r["score"]] == pytest.approx([h.score for hs in found for h in hs], rel=1e-6)
@@ -120,7 +121,7 @@ def test_bad_settings_are_refused_before_ray_runs_anything(model, cluster, monke
     """Every bad setting raises the library's own error before generate_dataset asks Ray for anything: Ray's
     map_batches and to_arrow_refs (the numbering of a seeded run) are replaced by spies, which a good call does
     reach (the control at the end)."""
-    from gpt2numba.distributed import generate_dataset
+    from gpt2numba.integrations.distributed import generate_dataset
 
     path, _ = model
     asked = []
@@ -153,7 +154,7 @@ def test_bad_settings_are_refused_before_ray_runs_anything(model, cluster, monke
 
 def test_empty_dataset(model, cluster):
     """No rows in, no rows out, seeded (the numbering of no blocks) or not."""
-    from gpt2numba.distributed import generate_dataset
+    from gpt2numba.integrations.distributed import generate_dataset
 
     path, _ = model
     for seed in (0, None):

@@ -17,7 +17,7 @@ import pytest
 import gpt2numba as g
 from checkpoints import write_dir
 from conftest import TINY_GPT2
-from gpt2numba.tokenview import inspect_ids
+from gpt2numba.text.tokenview import inspect_ids
 
 DOCUMENTS = [
     "The café on the corner serves tea; see https://example.com/menu or http://example.org.",
@@ -145,7 +145,7 @@ def test_titles_and_notes_are_text():
     """A heading with markup, an entity and a URL in it reads back as the same text, and leaves no http:// in the
     file. Catches a title or note written unescaped (GPT-2's tokens alone never make a tag: "<" and "/" are
     tokens of their own, so the documents above cannot show it)."""
-    from gpt2numba.report import Document, html_report
+    from gpt2numba.text.report import Document, html_report
 
     w, tokenizer = g.random_weights(TINY_GPT2, seed=4), g.load_tokenizer()
     title, note = 'a <b>bold</b> &amp; "q" from http://example.com', "cut <here> & there"

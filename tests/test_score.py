@@ -13,7 +13,7 @@ from hypothesis import given, settings
 import gpt2numba as g
 import helpers
 from conftest import TINY, TINY_GPT2
-from gpt2numba import compact, oracle
+from gpt2numba.model import compact, oracle
 from test_prefill import prompts
 
 

@@ -508,7 +508,8 @@ def test_echo_runs_the_prompt_once_for_the_n_choices(monkeypatch):
     of its rows). Every choice begins with the echo and goes on as it would without it."""
     from starlette.testclient import TestClient
 
-    from gpt2numba import batching, serve
+    from gpt2numba import serve
+    from gpt2numba.decoding import batching
 
     calls, fed = [], []
     prompt, prefill_batch = serve.logprobs.Logprobs.prompt, batching.prefill_batch

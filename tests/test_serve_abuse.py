@@ -108,7 +108,7 @@ def test_a_client_that_leaves_leaves_nothing_behind(monkeypatch):
     variables kept the last step's caches)."""
     import uvicorn
 
-    from gpt2numba.batching import Batch
+    from gpt2numba.decoding.batching import Batch
     from gpt2numba.serve import create_app, engine
 
     alive = []  # weak references to every job and every sequence's cache
@@ -437,7 +437,7 @@ def test_a_step_prefills_a_bounded_number_of_prompt_rows(monkeypatch):
     24 s and 490 MB kept)."""
     import asyncio
 
-    from gpt2numba import batching
+    from gpt2numba.decoding import batching
     from gpt2numba.serve import Done, Engine, Job, parse_completion
 
     prefilled = []  # (prompt rows fed, prompt rows to feed, whether a sequence decoded) of each step

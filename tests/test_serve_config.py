@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 import gpt2numba as g
-from gpt2numba import cli
 from gpt2numba.serve.config import CONNECTION_SETTINGS, ServeConfig, flags
+from gpt2numba.cli import commands
 
 pytest.importorskip("starlette", reason="the server needs the [serve] extra")
 
@@ -19,10 +19,10 @@ def served_config(monkeypatch, *flags_given) -> ServeConfig:
     import gpt2numba.serve
 
     got = []
-    monkeypatch.setattr(cli, "resolve_model", lambda model, dtype: (g.random_weights(CONFIG, seed=5), None, "x"))
+    monkeypatch.setattr(commands, "resolve_model", lambda model, dtype: (g.random_weights(CONFIG, seed=5), None, "x"))
     monkeypatch.setattr(gpt2numba.serve, "run", lambda w, tokenizer, config: got.append(config), raising=False)
     monkeypatch.delenv("GPT2NUMBA_API_KEY", raising=False)
-    assert cli.main(["serve", *flags_given]) == 0
+    assert commands.main(["serve", *flags_given]) == 0
     return got[0]
 
 

@@ -22,8 +22,8 @@ pytest.importorskip("starlette", reason="the server needs the [serve] extra")
 from starlette.testclient import TestClient  # noqa: E402
 
 from gpt2numba import serve  # noqa: E402
+from gpt2numba.text.tokenview import inspect_ids  # noqa: E402
 from gpt2numba.serve import app as app_module  # noqa: E402
-from gpt2numba.tokenview import inspect_ids  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TEXT = "The café on the corner serves 日本語 tea.\nIt opens at 7."  # 日本語: characters split across tokens

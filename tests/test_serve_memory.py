@@ -8,7 +8,7 @@ import pytest
 
 import gpt2numba as g
 from conftest import TINY
-from gpt2numba import batching, prefixes
+from gpt2numba.decoding import batching, prefixes
 
 pytest.importorskip("starlette", reason="the server needs the [serve] extra")
 

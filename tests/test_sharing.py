@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import gpt2numba as g
 from conftest import TINY
-from gpt2numba import batching, prefixes
+from gpt2numba.decoding import batching, prefixes
 
 MAX_LEN = 40
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import gpt2numba as g
-from gpt2numba import dispatch, forward
+from gpt2numba.cpu import dispatch
+from gpt2numba.model import forward
 
 from conftest import TINY
 

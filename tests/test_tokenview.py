@@ -9,8 +9,8 @@ import pytest
 
 import gpt2numba as g
 from conftest import TINY_GPT2
-from gpt2numba import tokenview
-from gpt2numba.tokenview import MAX_TOP, inspect_ids, inspect_text
+from gpt2numba.text import tokenview
+from gpt2numba.text.tokenview import MAX_TOP, inspect_ids, inspect_text
 
 TOL = 1e-5  # float32 logits against float64: what the issue asks of log-probabilities
 # a character split across tokens: GPT-2's BPE cuts 日本語 into bytes of its characters

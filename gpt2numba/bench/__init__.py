@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from ..argtypes import COUNT, in_range
-from ..compact import DTYPES
+from ..model.compact import DTYPES
 from . import ct2, floor, llama, neighbour, scoring, standard, throughput
 from .core import machine, set_idle_patience, wait_for_idle
 

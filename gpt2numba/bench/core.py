@@ -131,7 +131,7 @@ class Ours:
 
     def threads_run_on(self, arg) -> str:
         """Where the worker's parallel regions run (pool.describe()), after the passes it ran."""
-        from .. import pool
+        from ..cpu import pool
 
         return pool.describe()
 
@@ -457,8 +457,8 @@ def in_turns(conditions, rounds):
 
 def machine():
     """What the figures were measured on: the CPU (as Linux names it) and how the integer tiles multiply on it."""
-    from .. import inttiles
-    from ..dispatch import cpu_name
+    from ..cpu import inttiles
+    from ..cpu.dispatch import cpu_name
 
     return {"cpu": cpu_name(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
             "integer_tiles": "vpdpbusd (VNNI)" if inttiles.QUADS else "pmaddwd"}

@@ -27,7 +27,7 @@ SAME_MODEL_ATOL = 2e-3
 
 def run(args, model_dir, w) -> dict:
     """The llama.cpp section's figures: {"same_model", "accuracy", "prefill", "decode"}."""
-    from ..gguf_export import write_gguf
+    from ..integrations.gguf_export import write_gguf
 
     report = {"notes": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from ..argtypes import COUNT
-from .. import pool
-from ..config import GPT2Config
+from ..cpu import pool
+from ..model.config import GPT2Config
 from . import ct2, llama
 from .core import Load, Remote, gpt2numba_system, start_peer, wait_for_idle
 
@@ -107,7 +107,7 @@ def _systems(args, model_dir, w, tmp, notes):
             notes.append("llama.cpp skipped: llama-cpp-python is not installed (pip install -e \".[peers]\"; "
                          "it compiles llama.cpp at install, many minutes)")
         else:
-            from ..gguf_export import write_gguf
+            from ..integrations.gguf_export import write_gguf
 
             vocab = GPT2Config.small().vocab_size
             if w.config.vocab_size != vocab:  # a GGUF carries GPT-2's own vocabulary, which a test model may not have

@@ -141,9 +141,9 @@ def _ray_overhead(model_dir, w, docs, args):
     --threads CPUs (one worker of --threads threads: the same cores), the cluster's start apart."""
     import ray
 
-    from ..distributed import score_dataset
-    from ..scoring import score_batch
-    from ..tokenizer import load_tokenizer
+    from ..integrations.distributed import score_dataset
+    from ..text.scoring import score_batch
+    from ..text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     texts = [tokenizer.decode(ids) for ids in docs]

@@ -30,10 +30,10 @@ from starlette.responses import FileResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from .. import checks
-from ..tokenizer import Tokenizer
-from ..tokenview import inspect_ids
-from ..weights import GPT2Weights
+from ..model import checks
+from ..model.weights import GPT2Weights
+from ..text.tokenizer import Tokenizer
+from ..text.tokenview import inspect_ids
 from .admission import Refused, check_cache, check_choices, check_size
 from .config import ServeConfig
 from .engine import Engine, Job

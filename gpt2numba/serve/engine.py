@@ -24,17 +24,18 @@ import time
 
 import numpy as np
 
-from ..batching import Batch, Sequence, SharedPrompt
-from ..forward import prefill
-from ..kvcache import ModelCache
-from ..prefixes import PrefixCache
-from ..sample import Sampler
-from ..tokenizer import Tokenizer
-from ..weights import GPT2Weights
+from ..decoding.batching import Batch, Sequence, SharedPrompt
+from ..decoding.prefixes import PrefixCache
+from ..decoding.sample import Sampler
+from ..model.forward import prefill
+from ..model.kvcache import ModelCache
+from ..model.weights import GPT2Weights
+from ..text.scoring import log_softmax
+from ..text.tokenizer import Tokenizer
 from .admission import QueueFull, Waiting
 from .config import ServeConfig
 from .events import Done, Event, Failed, Finish, Text
-from .logprobs import LOGPROB_ROWS, Logprobs, Piece, log_softmax
+from .logprobs import LOGPROB_ROWS, Logprobs, Piece
 
 log = logging.getLogger("gpt2numba.serve")
 

@@ -15,11 +15,12 @@ import json
 
 import numpy as np
 
-from ..batching import SharedPrompt
-from ..forward import checked_prompt, forward_pass, logits_head
-from ..kvcache import ModelCache
-from ..tokenizer import Tokenizer
-from ..weights import GPT2Weights
+from ..decoding.batching import SharedPrompt
+from ..model.forward import checked_prompt, forward_pass, logits_head
+from ..model.kvcache import ModelCache
+from ..model.weights import GPT2Weights
+from ..text.scoring import log_softmax
+from ..text.tokenizer import Tokenizer
 
 LOGPROB_ROWS = 64  # rows of logits turned into log-probabilities at a time (float64)
 
@@ -48,14 +49,6 @@ def as_json(pieces: list[Piece], start: int) -> str:
     offsets = itertools.accumulate(whole.lengths[:-1], initial=start) if whole.lengths else ()
     return (f'{{"tokens": [{whole.tokens}], "token_logprobs": [{whole.token_logprobs}], '
             f'"top_logprobs": [{whole.top_logprobs}], "text_offset": [{", ".join(map(str, offsets))}]}}')
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Rows of logits (R, vocab) as log-probabilities, a new (R, vocab) float64 array."""
-    z = logits.astype(np.float64)
-    peak = z.max(axis=1, keepdims=True)
-    z -= peak + np.log(np.exp(z - peak).sum(axis=1, keepdims=True))
-    return z
 
 
 class Logprobs:

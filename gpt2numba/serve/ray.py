@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import checks
-from ..compact import DTYPES
 from ..errors import ConfigError
+from ..model import checks
+from ..model.compact import DTYPES
 from .config import CONNECTION_SETTINGS, ServeConfig
 
 # The settings `gpt2numba serve` gives uvicorn: Ray Serve's proxy owns the connections (serve.start's
@@ -93,9 +93,9 @@ def _replica_app(model, dtype: str, threads: int, config: ServeConfig):
     """The server's app as a replica runs it, with the X-Replica header on every response."""
     from ray import serve
 
-    from ..forward import set_threads
-    from ..models import resolve_model
-    from ..tokenizer import load_tokenizer
+    from ..model.forward import set_threads
+    from ..model.models import resolve_model
+    from ..text.tokenizer import load_tokenizer
     from .app import create_app
 
     set_threads(threads)

@@ -9,10 +9,10 @@ import dataclasses
 import json
 import math
 
-from ..processors import MAX_BIAS
-from ..sample import Sampler, prompt_ids
-from ..tokenizer import EOT_ID, Tokenizer
-from ..tokenview import MAX_TOP
+from ..decoding.processors import MAX_BIAS
+from ..decoding.sample import Sampler, prompt_ids
+from ..text.tokenizer import EOT_ID, Tokenizer
+from ..text.tokenview import MAX_TOP
 from .engine import Completion
 
 

@@ -19,8 +19,8 @@ import threading
 
 import uvicorn
 
-from ..tokenizer import Tokenizer
-from ..weights import GPT2Weights
+from ..model.weights import GPT2Weights
+from ..text.tokenizer import Tokenizer
 from .app import create_app
 from .config import ServeConfig
 from .connections import Sparse, guarded_h11

@@ -25,8 +25,8 @@ import subprocess
 import sys
 import tempfile
 
+from gpt2numba.cpu.dispatch import cpu_name
 from gpt2numba.bench.core import Load, in_turns
-from gpt2numba.dispatch import cpu_name
 
 WORKER = """
 import json, sys, time
@@ -35,7 +35,7 @@ where = None
 if first:
     import numpy as np
     import gpt2numba as g
-    from gpt2numba import pool
+    from gpt2numba.cpu import pool
     w = g.load_weights(model_dir)
     g.prefill(np.arange(16), w, g.ModelCache(w.config))
     where = pool.describe()

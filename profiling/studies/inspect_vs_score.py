@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     import httpx
 
     import gpt2numba as g
-    from gpt2numba.tokenview import inspect_ids
+    from gpt2numba.text.tokenview import inspect_ids
 
     g.set_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

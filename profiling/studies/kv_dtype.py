@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import gpt2numba as g
-from gpt2numba import compact
+from gpt2numba.model import compact
 
 
 def main(argv=None) -> int:

@@ -29,7 +29,7 @@ WORKER = """
 import json, time
 import numpy as np
 import gpt2numba as g
-from gpt2numba import pool
+from gpt2numba.cpu import pool
 w = g.random_weights(g.GPT2Config(), seed=0)
 mc = g.ModelCache(w.config)
 token = int(np.argmax(g.prefill(np.random.default_rng(0).integers(0, 50257, {context}), w, mc)))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2numba.config import GPT2Config
+from gpt2numba.model.config import GPT2Config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # profiling/, for serve_load
 from serve_load import _free_port, _random_small, _wait  # noqa: E402
 

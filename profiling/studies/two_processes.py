@@ -35,7 +35,7 @@ WORKER = """
 import json, sys, time
 import numpy as np
 import gpt2numba as g
-from gpt2numba import pool
+from gpt2numba.cpu import pool
 w = g.random_weights(g.GPT2Config(), seed=0)
 mc = g.ModelCache(w.config)
 g.prefill(np.random.default_rng(0).integers(0, 50257, {context}), w, mc)

@@ -1,0 +1,6 @@
+"""The command line, gpt2numba generate | check | score | serve | bench: commands.py (every flag, and the
+commands but generate), generate.py (generate's work)."""
+
+from .commands import build_parser, main
+
+__all__ = ["build_parser", "main"]

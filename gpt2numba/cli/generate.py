@@ -1,0 +1,313 @@
+"""gpt2numba generate: which flags go together, then sampling (streamed, or several samples) or beam search, for one
+PROMPT or a prompts file (one JSON line per prompt, or per sample). The flags themselves are defined in commands.py
+with the other commands'; their names here are argparse's (``--top-k`` is ``top_k``)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CacheFullError, GPT2NumbaError
+from ..model.models import RANDOM_NOTE, resolve_model
+from ..text.documents import utf8
+
+
+# The library's settings by the flag that sets them: Sampler's alone, beam_search's alone, and both's
+# (bad_words_ids comes from --bad-words, through the tokenizer). A flag left out takes the library's default.
+SAMPLER = ("temperature", "top_k", "top_p", "min_p", "typical_p", "presence_penalty", "frequency_penalty")
+BEAM = ("length_penalty", "early_stopping")
+BOTH = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "eos_token_id")
+SAMPLING_ONLY = SAMPLER + ("seed", "batch_size", "no_stop", "slide")  # what beam search has no use for
+EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
+
+
+def conflict(args) -> str | None:
+    """What is wrong with the flags given together, naming them; None when they go together."""
+    if args.prompt is None and args.prompts_file is None:
+        return "give a PROMPT to continue, or --prompts-file"
+    if args.prompt is not None and args.prompts_file is not None:
+        return "give a PROMPT or --prompts-file, not both"
+    if args.prompts_file is None and args.batch_size is not None:
+        return "--batch-size goes with --prompts-file"
+    if args.prompts_file is not None and args.slide:
+        return "--slide goes with a single PROMPT, not --prompts-file"
+    if args.ray is not None and args.prompts_file is None:
+        return "--ray goes with --prompts-file"
+    if args.ray is None and (given := _given(args, ("output", "format"))):
+        return f"{_flags(given)} {_go(given)} with --ray"
+    n = args.num_return_sequences or 1
+    if args.num_beams > 1:
+        if given := _given(args, SAMPLING_ONLY):
+            return f"{_flags(given)} {_go(given)} with sampling, not beam search (--num-beams {args.num_beams})"
+        if n > args.num_beams:
+            return (f"--num-return-sequences {n} is more than --num-beams {args.num_beams}: beam search returns "
+                    "at most one text per beam")
+        return None
+    if given := _given(args, BEAM):
+        return f"{_flags(given)} {_go(given)} with beam search: add --num-beams N (N > 1)"
+    if n > 1 and args.temperature == 0:
+        return (f"--num-return-sequences {n} with --temperature 0 prints one greedy text {n} times: sample "
+                f"(--temperature above 0) or search (--num-beams {n})")
+    if n > 1 and args.slide:
+        return "--slide goes with one text, not --num-return-sequences > 1"
+    return None
+
+
+def _given(args, names) -> list[str]:
+    return [name for name in names if getattr(args, name) is not None and getattr(args, name) is not False]
+
+
+def _flags(names) -> str:
+    return ", ".join("--" + name.replace("_", "-") for name in names)
+
+
+def _go(names) -> str:
+    return "goes" if len(names) == 1 else "go"
+
+
+def run(args) -> int:
+    """The generate command; 2 for flags that do not go together (before anything is loaded), else 0. Raises
+    what the library raises for a value out of range (cli.main prints it on one line)."""
+    from ..text.tokenizer import load_tokenizer
+
+    if problem := conflict(args):
+        print(f"gpt2numba: error: {problem}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    prompts = None if args.prompts_file is None else read_prompts(args.prompts_file)
+    if args.ray is not None:  # the weights are the workers' to load; the tokenizer here reads --bad-words
+        w, path = None, args.model or os.environ.get("GPT2NUMBA_WEIGHTS") or None
+        tokenizer = load_tokenizer(path if path is not None and Path(path).exists() else None)
+    else:
+        w, path, _ = resolve_model(args.model, args.dtype)
+        tokenizer = load_tokenizer(path)
+    if path is None:
+        print(f"gpt2numba: {RANDOM_NOTE}", file=sys.stderr)
+    vocab = w.config.vocab_size if w is not None else math.inf  # (on Ray the workers hold the weights, and check)
+    if past := [t for t in args.eos_token_id or [] if t >= vocab]:
+        raise GPT2NumbaError(f"--eos-token-id {' '.join(map(str, past))}: past the model's vocabulary of {vocab} "
+                             f"ids (0 to {vocab - 1})")
+    n = args.num_return_sequences or 1
+    beam = args.num_beams > 1
+    options = {name: getattr(args, name) for name in (BEAM if beam else SAMPLER) + BOTH
+               if getattr(args, name) is not None}
+    if args.bad_words:
+        options["bad_words_ids"] = bad_words_ids(args.bad_words, tokenizer)
+    options.update(max_new_tokens=args.max_new_tokens, kv_dtype=args.kv_dtype)
+    if beam:
+        options.update(num_beams=args.num_beams, num_return_sequences=n,
+                       early_stopping=EARLY_STOPPING[args.early_stopping or "false"])
+        if args.ray is not None:
+            return _on_ray(prompts, args, options, n, beam)
+        if prompts is not None:
+            return _beams_batch(prompts, w, tokenizer, options)
+        return _beams(args.prompt, w, tokenizer, options, t0)
+    options.update(seed=args.seed, stop_at_eos=not args.no_stop)
+    if args.ray is not None:
+        return _on_ray(prompts, args, dict(options, num_return_sequences=n), n, beam)
+    if prompts is not None:
+        return _batch(prompts, w, tokenizer, args.batch_size, n, options)
+    if n > 1:
+        return _samples(args.prompt, w, tokenizer, n, options, t0)
+    return _stream(args.prompt, w, tokenizer, args.slide, options, t0)
+
+
+def bad_words_ids(words: list[str], tokenizer) -> list[list[int]]:
+    """The ids of each word with a space before it, as transformers' NoBadWordsLogitsProcessor recommends
+    (a tokenizer with add_prefix_space=True): GPT-2 writes a word inside a text with its space."""
+    return [tokenizer.encode(" " + word) for word in words]
+
+
+def _stream(prompt, w, tokenizer, slide, options, t0) -> int:
+    """One text, written as its tokens arrive; prefill and decode rates on stderr."""
+    from ..decoding.sample import generate, prompt_ids, text_stream
+
+    ids = prompt_ids(prompt, tokenizer)
+    context, wanted = w.config.n_positions, len(ids) + options["max_new_tokens"]
+    if not slide and wanted > context:  # (generate says so too, naming its parameters: here, the flags)
+        raise CacheFullError(f"the prompt's {len(ids)} tokens and --max-new-tokens {options['max_new_tokens']} "
+                             f"make {wanted}, past the model's context of {context} positions: ask for fewer "
+                             f"new tokens, or give --slide")
+    tokens = generate(ids, w, slide=slide, **options)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    t_start = time.perf_counter()
+    stamps = []
+    for token, text in text_stream(tokens, tokenizer):
+        if token is not None:
+            stamps.append(time.perf_counter())
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    prefill_s = (stamps[0] - t_start) if stamps else 0.0
+    decode_ms = 1e3 * np.median(np.diff(stamps)) if len(stamps) > 1 else float("nan")
+    print(f"gpt2numba: {len(ids)} prompt tokens, {len(stamps)} new tokens; first token after {prefill_s:.2f} s "
+          f"(prefill {len(ids) / max(prefill_s, 1e-9):.0f} tokens/s, loading the compiled kernels included), "
+          f"decode {decode_ms:.1f} ms/token; {time.perf_counter() - t0:.1f} s in all", file=sys.stderr)
+    return 0
+
+
+def _samples(prompt, w, tokenizer, n, options, t0) -> int:
+    """n samples of one prompt in one batch (generate_batch's n), each written whole once all are done."""
+    from ..decoding.sample import generate_batch, prompt_ids
+
+    ids = prompt_ids(prompt, tokenizer)
+    texts = [[] for _ in range(n)]
+    for j, token in generate_batch([ids], w, n=n, **options):
+        texts[j].append(token)
+    _write_texts(prompt, texts, tokenizer)
+    print(f"gpt2numba: {len(ids)} prompt tokens, {n} samples of {', '.join(str(len(t)) for t in texts)} new "
+          f"tokens; {time.perf_counter() - t0:.1f} s in all", file=sys.stderr)
+    return 0
+
+
+def _beams(prompt, w, tokenizer, options, t0) -> int:
+    """beam_search's hypotheses of one prompt, best first, each written whole; their scores on stderr."""
+    from ..decoding.beams import beam_search
+    from ..decoding.sample import prompt_ids
+
+    ids = prompt_ids(prompt, tokenizer)
+    found = beam_search(ids, w, **options)
+    _write_texts(prompt, [h.ids for h in found], tokenizer)
+    print(f"gpt2numba: {len(ids)} prompt tokens, beam search of {options['num_beams']} beams: {len(found)} "
+          f"{'hypothesis' if len(found) == 1 else 'hypotheses'} of {', '.join(str(len(h.ids)) for h in found)} "
+          f"new tokens, scores {', '.join(f'{h.score:.4f}' for h in found)}; "
+          f"{time.perf_counter() - t0:.1f} s in all", file=sys.stderr)
+    return 0
+
+
+def _write_texts(prompt, texts, tokenizer) -> None:
+    """Each text as the prompt and its continuation (without <|endoftext|>) on a line of its own."""
+    for ids in texts:
+        sys.stdout.write(prompt + _text(ids, tokenizer) + "\n")
+    sys.stdout.flush()
+
+
+def _text(ids, tokenizer) -> str:
+    return tokenizer.decode([t for t in ids if t != tokenizer.eot_id])
+
+
+def read_prompts(path: Path) -> list[str]:
+    """Prompts from a file: JSON lines with a "prompt" field, or else one prompt per line (blank lines skipped)."""
+    source = "<stdin>" if str(path) == "-" else str(path)
+    text = utf8(sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes(), source, 1)
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise GPT2NumbaError(f"{path}: no prompts in the file")
+    if not lines[0][1].lstrip().startswith("{"):
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise GPT2NumbaError(f"{path}, line {n}: not a JSON object ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise GPT2NumbaError(f'{path}, line {n}: expected an object with a string "prompt" field')
+        prompts.append(record["prompt"])
+    return prompts
+
+
+def _batch(prompts, w, tokenizer, batch_size, n, options) -> int:
+    """One JSON line per text as it finishes (with n > 1, its "sample" j of the prompt "index"); a progress bar
+    and the aggregate tokens/s on stderr."""
+    from tqdm import tqdm
+
+    from ..decoding.sample import _batch_steps, prompt_ids
+
+    ids = [prompt_ids(p, tokenizer) for p in prompts]
+    tokens = {i: [] for i in range(len(prompts) * n)}  # by sequence: prompt i // n, its sample i % n
+    t0 = time.perf_counter()
+
+    def write(i):
+        record = {"index": i // n, "sample": i % n} if n > 1 else {"index": i}
+        record.update(prompt=prompts[i // n], text=_text(tokens[i], tokenizer), tokens=tokens[i])
+        print(json.dumps(record), flush=True)
+        bar.update()
+    with tqdm(total=len(tokens), unit="prompt" if n == 1 else "sample", file=sys.stderr, desc="generate") as bar:
+        pending = set(tokens)
+        for i, token, done, _ in _batch_steps(ids, w, batch_size=batch_size, n=n, **options):
+            tokens[i].append(token)
+            if done:
+                write(i)
+                pending.discard(i)
+        for i in sorted(pending):  # max_new_tokens 0: nothing was generated, still a record each
+            write(i)
+    seconds = time.perf_counter() - t0
+    total = sum(map(len, tokens.values()))
+    print(f"gpt2numba: {len(prompts)} prompts{f' x {n} samples' if n > 1 else ''}, {total} new tokens in "
+          f"{seconds:.1f} s: {total / seconds:.0f} tokens/s (batch size {min(batch_size or len(tokens), len(tokens))}, "
+          "prefills included)", file=sys.stderr)
+    return 0
+
+
+def _beams_batch(prompts, w, tokenizer, options) -> int:
+    """beam_search_batch over every prompt, then one JSON line per prompt with its hypotheses, best first."""
+    from ..decoding.beams import beam_search_batch
+    from ..decoding.sample import prompt_ids
+
+    t0 = time.perf_counter()
+    found = beam_search_batch([prompt_ids(p, tokenizer) for p in prompts], w, **options)
+    for i, (prompt, hypotheses) in enumerate(zip(prompts, found)):
+        print(json.dumps({"index": i, "prompt": prompt, "hypotheses": [
+            {"text": _text(h.ids, tokenizer), "tokens": h.ids, "score": h.score if math.isfinite(h.score) else None}
+            for h in hypotheses]}), flush=True)
+    seconds = time.perf_counter() - t0
+    total = sum(len(h.ids) for hypotheses in found for h in hypotheses)
+    print(f"gpt2numba: {len(prompts)} prompts, beam search of {options['num_beams']} beams: "
+          f"{sum(map(len, found))} hypotheses, {total} new tokens in {seconds:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _on_ray(prompts, args, options, n, beam) -> int:
+    """generate --ray: the prompts as a Ray dataset (index, prompt), generated by a pool of workers
+    (distributed.generate_dataset, each row on its index's random streams); the records the in-process paths
+    write, to stdout in the prompts' order, or to --output as JSON lines or Parquet."""
+    from ..integrations.distributed import cluster, generate_dataset, write
+
+    t0 = time.perf_counter()
+    with cluster(args.ray) as ray:
+        import pyarrow.compute as pc  # (Ray Data's; installed with it)
+
+        ds = ray.data.from_items([{"index": i, "prompt": p} for i, p in enumerate(prompts)])
+        generated = generate_dataset(ds, args.model, dtype=args.dtype, threads_per_worker=args.threads,
+                                     index_column="index", batch_size=args.batch_size or 64, **options).materialize()
+        to_records = functools.partial(records, n=n, beam=beam)
+        if args.output:
+            written = generated.flat_map(to_records)
+            write(written, args.output, args.format)
+        else:
+            found = [record for row in generated.iter_rows() for record in to_records(row)]
+            for record in sorted(found, key=lambda r: (r["index"], r.get("sample", 0))):
+                print(json.dumps(record), flush=True)
+        tokens = 0  # from the blocks in hand, as score --ray counts
+        for batch in generated.iter_batches(batch_size=None, batch_format="pyarrow"):
+            tokens += len(pc.list_flatten(batch.column("completion_ids"), recursive=True))
+    print(f"gpt2numba: {len(prompts)} prompts{f' x {n}' if n > 1 else ''} on Ray, {tokens} new tokens; "
+          f"{time.perf_counter() - t0:.1f} s" + (" with the cluster's start" if args.ray == "local" else "")
+          + (f"; written to {args.output}" if args.output else ""), file=sys.stderr)
+    return 0
+
+
+def records(row: dict, n: int, beam: bool) -> list[dict]:
+    """The JSON records of a row of distributed.generate_dataset (index, prompt and the completions), as
+    _batch and _beams_batch write them: one per sample, or one per prompt with its hypotheses."""
+    index, prompt = int(row["index"]), row["prompt"]
+    texts, ids = ([row[name]] if n == 1 else list(row[name]) for name in ("completion", "completion_ids"))
+    ids = [[int(t) for t in tokens] for tokens in ids]
+    if beam:
+        scores = [row["score"]] if n == 1 else list(row["score"])
+        return [{"index": index, "prompt": prompt, "hypotheses": [
+            {"text": text, "tokens": tokens, "score": score if score is not None and math.isfinite(score) else None}
+            for text, tokens, score in zip(texts, ids, scores)]}]
+    if n == 1:
+        return [{"index": index, "prompt": prompt, "text": texts[0], "tokens": ids[0]}]
+    return [{"index": index, "sample": j, "prompt": prompt, "text": text, "tokens": tokens}
+            for j, (text, tokens) in enumerate(zip(texts, ids))]

@@ -1,0 +1,141 @@
+"""Which kernel runs, from how many rows and in how many chunks: the CPU probed once, every threshold here.
+
+The kernels ask nothing of the CPU: this module reads the x86 features of the CPU Numba compiles
+for (x86_features, once, at import), and choose() turns them into the kernels' instructions and
+the row thresholds, as CTranslate2 keeps one get_cpu_isa() and a table per ISA. What they come to
+on the CPUs that matter (tests/test_dispatch.py holds choose() to this table):
+
+    instruction set                ROWS_MAX  BF16_ROWS_MAX  HEAD_ROWS_MAX  INT4_ROWS_MAX  integer tiles
+    AVX-512 with VNNI (Zen 4)         64          64             16              8        vpdpbusd, 512 bits
+    AVX-512 (Skylake-X)               64          64             16              4        pmaddwd, 512 bits
+    AVX2 with AVX-VNNI (Alder Lake)    3           7             10              8        vpdpbusd, 256 bits
+    AVX2 (Zen 3)                       3           7             10              7        pmaddwd, 256 bits
+    SSE2 or AVX                        3           7             10              4        pmaddwd, 128 bits
+    not x86                           64          64             16              4        generic vectors
+
+INT_ROWS_MAX is 10 on every one. Each number's measurement is one line beside it, in full in
+docs/performance.md, "Thresholds" (2 vCPUs, GPT-2 small's matrices).
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+from typing import NamedTuple
+
+
+GROUP = 32  # inputs per int8/int4 scale (model/compact.py); divides every GPT-2 width (768 ... 1600) and 4x it
+
+
+def x86_features() -> frozenset[str] | None:
+    """The x86 features enabled for the CPU Numba compiles for ("avx2", "f16c", ...): NUMBA_CPU_FEATURES
+    where it is set, else the host's as LLVM reads them; None off x86."""
+    from llvmlite import binding
+    from numba.core import config
+
+    if not binding.get_process_triple().startswith(("x86_64", "i686", "i386")):
+        return None
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
+    return frozenset(f[1:] for f in features.split(",") if f.startswith("+"))
+
+
+def cpu_name() -> str:
+    """The CPU as Linux names it ("AMD EPYC 7B13"), for reports; else what the platform module says."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+class Choices(NamedTuple):
+    """What a CPU's features decide."""
+
+    f16c: bool  # half floats converted by instructions (kernels._half_to_float32), else in integer code
+    madd_width: int  # int16 lanes of the widest pmaddwd: 32 (AVX-512BW), 16 (AVX2), 8 (SSE2); 0 off x86
+    byte_madd: bool  # one row's int8 dot products by AVX2's vpmaddubsw (intkernels._madd_signed_bytes)
+    nibble_vnni: tuple[int, ...]  # vector bits of the vpdpbusd that multiplies int4's nibbles in _dot_row
+    tile_vnni: int  # bits of the vpdpbusd of the integer tiles' quads (inttiles.QUADS); 0: pmaddwd's pairs
+    rows_max: int  # float32 rows up to which _linear_rows runs, not BLAS
+    bf16_rows_max: int  # bfloat16 rows up to which _rows_product runs, not BLAS on the widened matrix
+    head_rows_max: int  # rows up to which the head is _rows_product, not BLAS
+    int_rows_max: int  # int8 rows up to which intkernels._int_rows runs, not the tiles
+    int4_rows_max: int  # the same for int4
+
+
+def choose(features: frozenset[str] | None) -> Choices:
+    """The Choices for a CPU with these x86 features (None: not x86)."""
+    f = features or frozenset()
+    madd_width = 0 if features is None else 32 if "avx512bw" in f else 16 if "avx2" in f else 8
+    byte_madd = madd_width == 16 and GROUP % 32 == 0  # (not measured on AVX-512 against its 512-bit pmaddwd)
+    vnni_256 = "avxvnni" in f or {"avx512vnni", "avx512vl"} <= f  # (AVX-VNNI's encoding where there is no AVX-512)
+    nibble_vnni = ((256, 512) if "avx512vnni" in f else (256,)) if GROUP == 32 and vnni_256 else ()
+    tile_vnni = 512 if madd_width == 32 and "avx512vnni" in f else 256 if madd_width == 16 and vnni_256 else 0
+    avx512 = features is None or "avx512f" in f  # (off x86, unmeasured: as AVX-512)
+    # Each threshold's measurement in one line; in full in docs/performance.md, "Thresholds".
+    return Choices(
+        f16c=features is None or "f16c" in f,  # (ARM converts half floats in instructions)
+        madd_width=madd_width, byte_madd=byte_madd, nibble_vnni=nibble_vnni, tile_vnni=tile_vnni,
+        # AVX2: BLAS took 0.88x the kernel's time at 2 rows, 1.04-1.08x at 3, 0.93-0.97x at 4; AVX-512: 64 won
+        rows_max=64 if avx512 else 3,
+        # AVX2: BLAS on the widened matrix took 1.25x the kernel's time at 4 rows, 1.17x at 6, 0.97x at 8 (the kernel
+        # before bfloat16 was kept [out, in]); AVX-512: 8.0-8.2 ms a layer at 64 rows, BLAS 10.3 at 80
+        bf16_rows_max=64 if avx512 else 7,
+        # AVX2: BLAS took 1.01-1.02x at 8 rows, 0.97-1.02x at 12; AVX-512: the kernel 1.6x as fast at 8
+        head_rows_max=16 if avx512 else 10,
+        # 10 rows 5.4 ms against the tiles' 5.9, 12 rows 6.3 against 5.9 (AVX2)
+        int_rows_max=10,
+        # VNNI: 8 rows 27.2 ms a step against the tiles' 33.6; AVX2: 7 rows 17.2 against 18.5; else 4: 3.0 against 3.1
+        int4_rows_max=8 if nibble_vnni else 7 if byte_madd else 4,
+    )
+
+
+FEATURES = x86_features()
+X86 = FEATURES is not None  # whether Numba compiles for an x86 CPU: x86 instructions may be named
+CHOICES = choose(FEATURES)
+F16C = CHOICES.f16c
+MADD_WIDTH = CHOICES.madd_width
+BYTE_MADD = CHOICES.byte_madd
+NIBBLE_VNNI = CHOICES.nibble_vnni
+TILE_VNNI = CHOICES.tile_vnni
+ROWS_MAX = CHOICES.rows_max
+BF16_ROWS_MAX = CHOICES.bf16_rows_max
+HEAD_ROWS_MAX = CHOICES.head_rows_max
+INT_ROWS_MAX = CHOICES.int_rows_max
+INT4_ROWS_MAX = CHOICES.int4_rows_max
+
+# --- the same on every CPU -------------------------------------------------------------------------------
+
+# Rows up to which layernorm, GELU and the split-k sums run on the calling thread, not in a parallel region,
+# whose barrier waits for any thread the OS took away: a decode step opens 5 a layer, the products and attention
+SERIAL_ROWS = 8
+# Chunks of rows in those kernels past SERIAL_ROWS, and in the integer tiles' input layout (not measured)
+ROW_CHUNKS = 32
+# Chunks per thread in the other parallel kernels (beside a busy loop, a decode step took 88-173 ms without them,
+# 43 alone); at least MIN_CHUNKS, so that 1 and 2 threads cut the work alike and give the same bits
+CHUNKS_PER_THREAD = 4
+MIN_CHUNKS = 8
+# Rows up to which a BLAS product splits the weights' rows across chunks: it won from 1 row to 256, but at 2
+SPLIT_K_ROWS = 256
+# Bytes ahead of its reads that the integer formats' one-row dot products ask the CPU to fetch their matrix
+# (intkernels._dot_row): a decode step at context 128 took 0.94x (int8) and 0.91x (int4) the
+# time without, 2048 and 8192 bytes alike within the runs' spread; bfloat16's row kernels took 1.17x with it (AMD
+# EPYC Zen 4, alternating runs; docs/performance.md, "The decode floor")
+PREFETCH_BYTES = 4096
+
+
+def n_chunks(threads: int) -> int:
+    """The chunks every parallel kernel of a pass cuts its work into, for this many threads."""
+    return max(MIN_CHUNKS, threads * CHUNKS_PER_THREAD)
+
+
+def split_k(rows: int) -> bool:
+    """Whether a BLAS product over this many rows splits the weights' rows, rather than the rows, across chunks."""
+    return rows != 2 and rows <= SPLIT_K_ROWS
+
+
+def blas_chunks(rows: int, chunks: int) -> int:
+    """The chunks of a BLAS product over this many rows in a pass of ``chunks``: all of them when it splits
+    the weights; else one a thread, since a GEMM is fastest as large as it can be (at 512 rows, 2 of 256
+    rows took 59 ms where 8 of 64 took 79)."""
+    return chunks if split_k(rows) else chunks // CHUNKS_PER_THREAD

@@ -1,0 +1,270 @@
+"""Continuous batching: sequences in flight, each in its own cache; one forward pass a step over all of them.
+
+A sequence joins between steps: its prompt is prefilled in the same pass as the
+others' next tokens (a one-token "prompt" is a decode row, so prefill_batch
+serves both); with a budget of prompt rows per step, a long prompt runs in chunks
+over several steps (chunked prefill, as vLLM and llama.cpp's server do), so the
+sequences in flight keep their pace. It leaves when it finishes, or when its
+owner removes it. Used by
+generate_batch (a fixed list of prompts) and by the server (requests that come
+and go); the caller checks prompts and settings first.
+
+Sequences that start from one prompt (n samples of it) share a SharedPrompt: the
+first of them to run prefills the prompt, the others read its cache's rows in place
+(ModelCache.copy_prefix shares them) and sample their first token from the same logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..model.forward import prefill_batch
+from ..model.kvcache import ModelCache, check_kv_dtype
+from ..model.weights import GPT2Weights
+from ..text.tokenizer import EOT_ID
+from .prefixes import PrefixCache
+
+
+# Prompt rows a step may feed when no sequence is decoding (a budget smaller than this grows to it): there is
+# no pace to keep, and small chunks would read the weights once a chunk (a lone 512-token prompt's first token
+# took 3.6 s in 16-row chunks against 1.8 s in 32-row ones; docs/serving.md). 256 rows keep the products
+# arithmetic-bound while the step's time, and the workspace it sizes, stay bounded.
+IDLE_PROMPT_ROWS = 256
+
+
+class SharedPrompt:
+    """One prompt prefilled once for ``uses`` sequences (each Batch.add with it counts one).
+
+    Until it has run, ``leader`` is the sequence that prefills it; sequences added meanwhile
+    wait for that step and take the leader's rows (read in place). After it, while sequences are still to be
+    added, ``cache`` keeps the prompt's rows and ``logits`` (vocab,) what follows them.
+    """
+
+    def __init__(self, uses: int):
+        assert uses >= 1
+        self.uses = uses
+        self.leader: Sequence | None = None
+        self.cache: ModelCache | None = None
+        self.logits: np.ndarray | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sequence in flight. ids: the prompt, then each token as it is chosen."""
+
+    ids: list[int]
+    max_new_tokens: int
+    sampler: object  # sample.Sampler: (logits (vocab,), ids so far, rng, prompt_len) -> token id; its eos ids
+    rng: np.random.Generator
+    stop_ids: tuple[int, ...]  # the ids that end it (its sampler's eos ids), none when it does not stop at eos
+    cache: ModelCache | None  # None once the sequence has left its batch
+    prompt_len: int = field(init=False)
+    feed: list[int] = field(init=False)  # what the next pass feeds: the prompt, then the last token
+    shared: SharedPrompt | None = None  # its prompt's rows come from the leader of this, if not fed
+    pending: np.ndarray | None = None  # (vocab,) logits after its prompt, when it copied them ready-made
+    reserved: int = 0  # the positions its batch holds for it (Batch.need)
+
+    def __post_init__(self):
+        self.prompt_len = len(self.ids)
+        self.feed = list(self.ids)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+
+class Batch:
+    """At most ``size`` sequences in flight over the weights ``w``, each in a cache of ``kv_dtype``
+    (kvcache.KV_DTYPES, checked); with ``prefixes`` (of the same kv_dtype), a prompt starts from the
+    longest prefix cached there, and every prompt that runs is stored there."""
+
+    def __init__(self, w: GPT2Weights, size: int, prefixes: PrefixCache | None = None, kv_dtype: str = "float32",
+                 max_positions: int | None = None):
+        self.w, self.size, self.prefixes, self.kv_dtype = w, size, prefixes, check_kv_dtype(kv_dtype)
+        # the cache positions its sequences may own at once (None: as many as they ask), each sequence
+        # reserving what it may write when it is added (need), released when it leaves
+        self.max_positions = max_positions
+        self.in_flight = (0, 0)  # positions() after the last step: plain ints another thread may read
+        self.sequences: list[Sequence] = []
+        self.paused: list[Sequence] = []  # out of the steps for now, their caches kept (pause, resume)
+        self._logits = np.empty((size, w.config.vocab_size), np.float32)  # (size, vocab), reused by every step
+
+    @property
+    def full(self) -> bool:
+        return len(self.sequences) >= self.size
+
+    def need(self, ids: list[int], max_new_tokens: int, shared: SharedPrompt | None = None) -> int:
+        """The positions a sequence added now may write into its own cache: its prompt but what it will read
+        in place (a prefix cache's blocks, or a shared prompt that another sequence runs), and its tokens."""
+        if shared is not None and (shared.cache is not None or shared.leader is not None):
+            return max_new_tokens
+        return len(ids) - (self.prefixes.cached(ids) if self.prefixes is not None else 0) + max_new_tokens
+
+    @property
+    def reserved(self) -> int:
+        """The positions reserved by the sequences in flight (in the steps or paused)."""
+        return sum(s.reserved for s in self.sequences + self.paused)
+
+    def admits(self, need: int) -> bool:
+        """Whether a sequence that needs ``need`` positions fits beside those reserved."""
+        return self.max_positions is None or self.reserved + need <= self.max_positions
+
+    def positions(self) -> tuple[int, int]:
+        """(Positions the caches in flight hold in arrays of their own, positions they read in place: a
+        prefix cache's blocks, a shared prompt's rows.) Each position costs ModelCache.position_bytes."""
+        caches = [s.cache for s in self.sequences + self.paused if s.cache is not None]
+        return sum(mc.length - mc.shared for mc in caches), sum(mc.shared for mc in caches)
+
+    def add(self, ids: list[int], *, max_new_tokens: int, sampler, rng: np.random.Generator,
+            stop_at_eos: bool = True, shared: SharedPrompt | None = None) -> Sequence:
+        """A new sequence, prefilled in the next step; ids (checked) plus max_new_tokens >= 1 fit n_positions.
+
+        With ``shared`` (made for these very ids), the prompt is prefilled once for all its uses.
+        """
+        assert not self.full and max_new_tokens >= 1
+        need = self.need(ids, max_new_tokens, shared)
+        assert self.admits(need)
+        cache = ModelCache(self.w.config, max_len=len(ids) + max_new_tokens, dtype=self.kv_dtype)
+        seq = Sequence(list(ids), max_new_tokens, sampler, rng, _stop_ids(sampler) if stop_at_eos else (), cache)
+        seq.reserved = need
+        if shared is not None:
+            assert shared.uses >= 1
+            shared.uses -= 1
+            seq.shared = shared
+            if shared.cache is not None:  # prefilled in an earlier step: take its rows now (shared, not copied)
+                cache.copy_prefix(shared.cache)
+                seq.feed, seq.pending = [], shared.logits
+                if shared.uses == 0:
+                    shared.cache = shared.logits = None
+            elif shared.leader in self.sequences:  # to be prefilled in the next step
+                seq.feed = []
+            else:
+                shared.leader = seq
+        if seq.feed and self.prefixes is not None:
+            del seq.feed[: self.prefixes.load(seq.ids, cache)]
+        self.sequences.append(seq)
+        return seq
+
+    def pause(self, seq: Sequence) -> None:
+        """Take a decoding sequence out of the steps, its cache kept, so that its place can go to another;
+        resume(seq) puts it back, to go on as if it had not paused."""
+        assert seq.new_tokens > 0 and seq.feed  # its prompt has run (no sequence waits on it), a token to feed
+        self.sequences.remove(seq)
+        self.paused.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        assert not self.full
+        self.paused.remove(seq)
+        self.sequences.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Stop a sequence now (its cache goes with it). A leader whose prompt has not run hands it on."""
+        if seq in self.paused:
+            self.paused.remove(seq)
+            seq.cache = None
+            return
+        self.sequences.remove(seq)
+        shared = seq.shared
+        if shared is not None and shared.leader is seq and seq.cache.length < seq.prompt_len:
+            waiting = [s for s in self.sequences if s.shared is shared and not s.feed and s.pending is None]
+            shared.leader = waiting[0] if waiting else None
+            if waiting:  # it runs the prompt now: the leader's reservation goes with it
+                waiting[0].reserved += seq.reserved - seq.max_new_tokens
+                waiting[0].feed = list(waiting[0].ids)
+                if self.prefixes is not None:
+                    del waiting[0].feed[: self.prefixes.load(waiting[0].ids, waiting[0].cache)]
+        seq.cache = None  # whoever still holds the sequence, its memory is free
+
+    def step(self, max_prompt_rows: int | None = None) -> list[tuple[Sequence, int, bool, np.ndarray]]:
+        """One forward pass over every sequence: (sequence, its new token, whether it is done, its logits).
+
+        With ``max_prompt_rows``, a step feeds at most that many prompt rows in all (the earliest added
+        first; IDLE_PROMPT_ROWS if larger and no sequence is decoding), and a prompt cut short goes on in
+        the next step; every decode row runs. So a long prompt is prefilled in chunks beside the other
+        sequences' tokens instead of holding them up for its whole length (chunked prefill). Only sequences
+        whose prompt has run sample a token; the rest are not in the result. A row of logits (vocab,) is
+        valid until the next step. A done sequence has left the batch, and its cache is gone (cache None).
+        """
+        seqs = list(self.sequences)
+        if not seqs:
+            return []
+        rows = self._rows(seqs, max_prompt_rows)  # sequence -> rows it feeds now
+        fed = list(rows)
+        logits = prefill_batch([s.feed[: rows[s]] for s in fed], self.w, [s.cache for s in fed],
+                               out=self._logits[: len(fed)]) if fed else []
+        for seq in fed:
+            del seq.feed[: rows[seq]]
+        row_of = {s: row for s, row in zip(fed, logits) if not s.feed}  # those whose prompt (or token) is in
+        if self.prefixes is not None:
+            for seq in row_of:
+                if seq.new_tokens == 0:  # its prompt has just run
+                    self.prefixes.store(seq.ids, seq.cache)
+        for seq in seqs:
+            if seq not in rows and self._ready(seq, row_of):
+                row_of[seq] = self._share(seq, row_of)
+        for seq in fed:
+            shared = seq.shared
+            if shared is not None and shared.leader is seq and seq in row_of:  # its prompt has run: keep it
+                if shared.uses > 0:
+                    shared.cache = seq.cache.fork(max_len=len(seq.ids))
+                    shared.logits = row_of[seq].copy()
+                shared.leader = None
+        out = []
+        for seq in seqs:
+            if seq not in row_of:
+                continue
+            row = row_of[seq]
+            token = seq.sampler(row, seq.ids, seq.rng, seq.prompt_len)
+            seq.ids.append(token)
+            done = token in seq.stop_ids or seq.new_tokens == seq.max_new_tokens
+            if done:
+                self.remove(seq)
+            else:
+                seq.feed = [token]
+            out.append((seq, token, done, row))
+        self.in_flight = self.positions()
+        return out
+
+    @staticmethod
+    def _rows(seqs: list[Sequence], max_prompt_rows: int | None) -> dict[Sequence, int]:
+        """The rows each sequence feeds in this step: its token, or as much of its prompt as the budget
+        leaves, in the order the sequences were added (the first prompt finishes first). With no token to
+        decode there is no pace to keep, and the budget grows to IDLE_PROMPT_ROWS."""
+        decoding = any(seq.feed and seq.new_tokens > 0 for seq in seqs)
+        rows, budget = {}, max_prompt_rows
+        if budget is not None and not decoding:
+            budget = max(budget, IDLE_PROMPT_ROWS)
+        for seq in seqs:
+            if not seq.feed:
+                continue
+            if seq.new_tokens > 0 or budget is None:  # a decode row, or no budget
+                rows[seq] = len(seq.feed)
+            elif budget > 0:
+                rows[seq] = min(len(seq.feed), budget)
+                budget -= rows[seq]
+        return rows
+
+    @staticmethod
+    def _ready(seq: Sequence, row_of: dict) -> bool:
+        """A sequence that was not fed has logits now: ready-made, or its leader's prompt has just run (not:
+        its own prompt waits for the budget, or its leader's is still running)."""
+        return not seq.feed and (seq.pending is not None or seq.shared.leader in row_of)
+
+    @staticmethod
+    def _share(seq: Sequence, row_of: dict) -> np.ndarray:
+        """The logits after the prompt of a sequence that was not fed: ready-made, or from its leader, which
+        has just run (its cache then holds the prompt; the token it samples now is not in it yet)."""
+        if seq.pending is not None:
+            row, seq.pending = seq.pending, None
+            return row
+        leader = seq.shared.leader
+        seq.cache.copy_prefix(leader.cache)
+        return row_of[leader]
+
+
+def _stop_ids(sampler) -> tuple[int, ...]:
+    """The ids that end a sequence: its Sampler's eos_token_id; a plain callable's, <|endoftext|>."""
+    processors = getattr(sampler, "processors", None)
+    return (EOT_ID,) if processors is None else processors.eos_token_id

@@ -1,0 +1,194 @@
+"""The matrix products of a pass: which kernel multiplies, by the weights' format and the rows, and the
+buffers a pass works in (kept per thread and weights, only ever grown).
+
+Every product reads its matrix as stored: float32 through BLAS or, for a few rows, as is
+(matkernels); bfloat16 ([out, in]) widened in registers, or once into a dense buffer for many rows; int8 and
+int4 in integers (intkernels for a few rows, inttiles' tiles for more), the inputs rounded to int8
+per group. The thresholds between them are dispatch.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+
+import numba
+import numpy as np
+
+from ..cpu import dispatch, inttiles
+from ..cpu.dispatch import BF16_ROWS_MAX, HEAD_ROWS_MAX, INT4_ROWS_MAX, INT_ROWS_MAX, ROWS_MAX
+from ..cpu.intkernels import _int_matmul
+from ..cpu.kernels import attend_width
+from ..cpu.matkernels import _expand_bf16, _head, _linear, _linear_rows, _rows_product
+from . import compact
+from .config import GPT2Config
+from .weights import GPT2Weights
+
+
+def matmul(x, field, layer, b, out, accumulate, w, work, n_chunks):
+    """out (+)= x @ (layer's matrix ``field``) + b, whatever the matrix's storage."""
+    T, K = x.shape
+    matrix = getattr(w, field)[layer]
+    if w.scales:
+        integer_matmul(x, matrix, w.scales[field][layer], b, out, accumulate, work, n_chunks)
+        return
+    if w.dtype == "bfloat16" and T <= BF16_ROWS_MAX:  # few rows read the bfloat16 matrix [out, in] itself
+        _rows_product(matrix, x, b, out, accumulate, n_chunks)
+        return
+    scratch = work.scratch(T, n_chunks)
+    if w.dtype == "bfloat16":  # many rows: widen the matrix once; BLAS reads it transposed, a span of rows a thread
+        dense = work.dense(matrix.shape)
+        _expand_bf16(matrix, dense)
+        _linear(x, dense, b, scratch, out, accumulate, n_chunks // dispatch.CHUNKS_PER_THREAD, False, True)
+    elif 2 <= T <= ROWS_MAX and K % 8 == 0:  # float32, few rows: as stored
+        _linear_rows(x, matrix, b, scratch, out, accumulate, n_chunks)
+    else:
+        _linear(x, matrix, b, scratch, out, accumulate, dispatch.blas_chunks(T, n_chunks), dispatch.split_k(T), False)
+
+
+def integer_matmul(x, q, scale, b, out, accumulate, work, n_chunks):
+    """out (+)= x @ W.T (+ b) for an int8 or int4 matrix W [out, in], its input rounded to int8 per group.
+
+    W is read as stored, in integers: a few rows one dot product at a time (_int_matmul; up
+    to INT_ROWS_MAX, INT4_ROWS_MAX for int4), more in tiles of rows and outputs (inttiles).
+    """
+    T, K = x.shape
+    if T <= (INT4_ROWS_MAX if q.dtype.char == "B" else INT_ROWS_MAX):  # (uint8: int4)
+        xq, xs = work.quantized(T, K)
+        _int_matmul(x, xq, xs, q, scale, b, out, accumulate, n_chunks)
+    else:
+        inttiles._tiles_matmul(x, *work.widened(T, K), q, scale, b, out, accumulate, n_chunks)
+
+
+def head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, n_chunks: int) -> None:
+    """logits = h @ wte.T, by the kernel that suits wte's format and the rows. The integer
+    formats multiply in integers, as integer_matmul."""
+    R, C = h.shape
+    if w.scales:
+        work = workspace(w, R, numba.get_num_threads())
+        integer_matmul(h, w.wte, w.scales["wte"], None, logits, False, work, n_chunks)
+    elif R <= HEAD_ROWS_MAX:
+        _rows_product(w.wte, h, None, logits, False, n_chunks)
+    else:
+        _head(w.wte, h, logits, n_chunks)
+
+
+def head_inputs(w: GPT2Weights, h: np.ndarray):
+    """The rows as the scoring head takes them (matkernels._head_log_softmax): h itself, or for the
+    integer formats h quantised and laid out for the integer tiles (inttiles.laid_out), as every
+    integer product multiplies them."""
+    return inttiles.laid_out(h) if w.scales else h
+
+
+# --- work buffers: sized by the rows of a pass, kept for the next one ------------------------------
+
+class Workspace:
+    """Activation buffers for up to ``rows`` rows of one model's pass.
+
+    Kept between calls and only ever grown: fresh memory is slow to touch, so a
+    decode loop over a batch of fixed size allocates nothing per step.
+    """
+
+    def __init__(self, cfg: GPT2Config, rows: int, threads: int):
+        C = cfg.n_embd
+        self.rows, self.threads, self.width = rows, threads, 4 * C
+        self.x = np.empty((rows, C), np.float32)        # residual stream
+        self.h = np.empty((rows, C), np.float32)        # layernorm out
+        self.qkv = np.empty((rows, 3 * C), np.float32)  # [q | k | v]
+        self.a = np.empty((rows, C), np.float32)        # attention out, heads side by side
+        self.f = np.empty((rows, 4 * C), np.float32)    # MLP hidden
+        # per thread: a tile of queries and its scores over every visible key, and a compact cache's
+        # rows widened (one head's keys or values: 256 KB for GPT-2)
+        self.attend = np.empty((threads, attend_width(cfg.head_dim, cfg.n_positions)), np.float32)
+        self._scratch = np.empty(0, np.float32)
+        self._dense = np.empty(0, np.float32)
+        # the integer formats' inputs: int8 rows and their scales, and laid out for the tiles (inttiles.WIDE)
+        self._int8 = np.empty(0, np.int8)
+        self._int8_scales = np.empty(0, np.float32)
+        self._wide = np.empty(0, np.int16)
+        self._views = {}  # (T, K): quantized's views of _int8 and _int8_scales
+
+    def scratch(self, T: int, n_chunks: int) -> np.ndarray:
+        """Where matrix products land first: T rows, or T partial rows per chunk (flat)."""
+        need = max((n_chunks if dispatch.split_k(T) else 1) * T, 2 * n_chunks, T + 1) * self.width
+        if self._scratch.size < need:  # grows with the rows, or when the thread count grows
+            self._scratch = np.empty(need, np.float32)
+        return self._scratch
+
+    def quantized(self, T: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+        """int8 (T, K) and float32 (T, K // GROUP) for T rows of inputs quantised per group."""
+        views = self._views.get((T, K))  # (a decode step asks for the same views 49 times)
+        if views is None:
+            if self._int8.size < T * K:
+                self._int8 = np.empty(T * self.width, np.int8)
+                self._int8_scales = np.empty(T * self.width // compact.GROUP, np.float32)
+                self._views.clear()
+            views = self._views[T, K] = (self._int8[: T * K].reshape(T, K),
+                                         self._int8_scales[: T * K // compact.GROUP].reshape(T, -1))
+        return views
+
+    def widened(self, T: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int8 (rows, K), float32 (rows, K // GROUP) and inttiles.WIDE (rows, K) for T rows of inputs
+        quantised and laid out for the tiles, rows = inttiles.padded_rows(T) (whole tiles)."""
+        n = inttiles.padded_rows(T)
+        if self._wide.size < n * K:
+            self._wide = np.empty(n * self.width, inttiles.WIDE)
+        q, s = self.quantized(n, K)
+        return q, s, self._wide[: n * K].reshape(n, K)
+
+    def dense(self, shape: tuple) -> np.ndarray:
+        """A float32 buffer of ``shape`` for one widened compact matrix (many rows only)."""
+        size = shape[0] * shape[1]
+        if self._dense.size < size:
+            self._dense = np.empty(self.width * self.width // 4, np.float32)  # C x 4C, the largest
+        return self._dense[:size].reshape(shape)
+
+
+_local = threading.local()  # workspaces per thread: two threads may run passes at once
+
+
+def workspace(w: GPT2Weights, rows: int, threads: int) -> Workspace:
+    """This thread's workspace for the weights ``w``, with room for ``rows`` rows."""
+    spaces = getattr(_local, "spaces", None)
+    if spaces is None:
+        spaces = _local.spaces = weakref.WeakKeyDictionary()  # freed with the weights
+    work = spaces.get(w)
+    if work is None or work.rows < rows or work.threads < threads:
+        spaces[w] = work = Workspace(w.config, max(rows, work.rows if work else 0), threads)
+    return work
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_controller():
+    import scipy.linalg.cython_blas  # noqa: F401  (the BLAS Numba calls; load it before looking)
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
+
+
+_blas_lock = threading.Lock()
+_blas_limit: list = []  # [threadpoolctl's limiter, passes inside it] while any pass runs
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """Every BLAS library limited to one thread while any pass runs: our Numba threads are the parallelism.
+
+    One limit for all passes at once, set by the first to enter and lifted by the last to leave: each pass
+    limiting and restoring on its own would, with two threads' passes overlapping, put back the first's
+    limit of 1 as the original."""
+    with _blas_lock:
+        if not _blas_limit:
+            _blas_limit[:] = [_blas_controller().limit(limits=1, user_api="blas"), 0]
+        _blas_limit[1] += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_limit[1] -= 1
+            if not _blas_limit[1]:
+                limiter = _blas_limit[0]
+                _blas_limit.clear()  # (first: a failed restore must not leave the count behind)
+                limiter.restore_original_limits()

