@@ -207,11 +207,12 @@ def test_linear_rows(T, K, N, n_chunks, accumulate, seed):
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
-@given(V=st.integers(1, 60), C=dims, R=st.integers(1, 5), bias=st.booleans(), accumulate=st.booleans(),
+@given(V=st.integers(1, 60), C=dims, R=st.integers(1, 70), bias=st.booleans(), accumulate=st.booleans(),
        n_chunks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_rows_product(V, C, R, bias, accumulate, n_chunks, seed):
     """The few-rows product against a matrix [out, in] (the head's wte): one dot product per output for
-    one row, four outputs at a time and the one-by-one tail for more; with a bias or none, added or not."""
+    one row, tiles of rows x outputs for more (rowtiles.py), rows, outputs and inputs that end inside a
+    tile or a vector; with a bias or none, added or not."""
     rng = np.random.default_rng(seed)
     wte, h, out, b = randn(rng, V, C), randn(rng, R, C), randn(rng, R, V), randn(rng, V)
     ref = (out.astype(np.float64) if accumulate else 0) + h.astype(np.float64) @ wte.T + (b if bias else 0)

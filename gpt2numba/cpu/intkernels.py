@@ -89,12 +89,13 @@ def _llvm(builder, name, ret, *args):
     return builder.call(fn, list(args))
 
 
-def _prefetch(builder, pointer):
+def _prefetch(builder, pointer, locality=3):
     """Ask the CPU to start reading the cache line at ``pointer`` (a byte's address) for a read soon:
-    llvm.prefetch, which never faults, whatever the address."""
+    llvm.prefetch, which never faults, whatever the address. locality 3 brings it to L1 (prefetcht0),
+    2 to L2 (prefetcht1)."""
     i32 = ir.IntType(32)
     name = "llvm.prefetch.p0" if str(pointer.type) == "ptr" else "llvm.prefetch.p0i8"  # (opaque pointers or typed)
-    _llvm(builder, name, ir.VoidType(), pointer, ir.Constant(i32, 0), ir.Constant(i32, 3),
+    _llvm(builder, name, ir.VoidType(), pointer, ir.Constant(i32, 0), ir.Constant(i32, locality),
           ir.Constant(i32, 1))  # read, keep, data
 
 

@@ -15,6 +15,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from . import inttiles
+from .rowtiles import TILE_OUTPUTS, TILE_ROWS, _tiles, _widen
 from .blas import _gemm
 from .chunks import _claimed, _span
 from .dispatch import ROW_CHUNKS, SERIAL_ROWS
@@ -82,22 +83,20 @@ def _rows_product(w, x, b, out, accumulate, n_chunks):
     in a block, or the tied head's wte, float32 or bfloat16 bits).
 
     w: (N, K); x: (R, K); b: (N,) or None; out: (R, N). A chunk is a span of W's rows (outputs). One row of
-    x takes a dot product per row of W (_dot_rows); more take W's rows four at a time, every row of x with
-    them while they are in cache (_dots).
+    x takes a dot product per row of W (_dot_rows); more go in tiles of rows x outputs whose sums stay in
+    registers (rowtiles._tiles).
     """
     N = w.shape[0]
     R = x.shape[0]
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
     for _ in prange(n_chunks):
+        sums = np.empty(TILE_ROWS * TILE_OUTPUTS, np.float32)
         for c in _claimed(nxt, n_chunks):
             start, end = _span(c, n_chunks, N, 16)
             if R == 1:
                 _dot_rows(w, x, b, out, accumulate, start, end)
             else:
-                for v in range(start, end - 3, 4):
-                    _dots(x, w, v, 4, b, out, accumulate)
-                for v in range(end - (end - start) % 4, end):
-                    _dots(x, w, v, 1, b, out, accumulate)
+                _tiles(w, x, b, out, accumulate, start, end, sums)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -114,26 +113,6 @@ def _dot_rows(w, x, b, out, accumulate, start, end):
         _put(out, 0, v, s, b, accumulate)
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _dots(x, w, v, n, b, out, accumulate):
-    """out[:, v:v+n] (+)= x @ W[v:v+n].T (+ b) for n = 4 rows of W, or 1 (the last ones)."""
-    R, K = x.shape
-    w0, w1, w2, w3 = w[v], w[v + n // 4], w[v + 2 * (n // 4)], w[v + 3 * (n // 4)]
-    for r in range(R):
-        xr = x[r]
-        s0 = s1 = s2 = s3 = np.float32(0.0)
-        for k in range(K):
-            s0 += xr[k] * _widen(w0[k])
-            s1 += xr[k] * _widen(w1[k])
-            s2 += xr[k] * _widen(w2[k])
-            s3 += xr[k] * _widen(w3[k])
-        _put(out, r, v, s0, b, accumulate)
-        if n == 4:
-            _put(out, r, v + 1, s1, b, accumulate)
-            _put(out, r, v + 2, s2, b, accumulate)
-            _put(out, r, v + 3, s3, b, accumulate)
-
-
 @njit(cache=True, nogil=True)
 def _put(out, r, v, s, b, accumulate):
     """out[r, v] (+)= s (+ b[v]); b: (N,) or None."""
@@ -146,17 +125,6 @@ def _put(out, r, v, s, b, accumulate):
 # of wte (and its float32 widening, for compact weights) stays in cache while
 # every row's scores are taken from it.
 HEAD_CHUNK = 512
-
-
-def _widen(v):
-    """A stored weight as float32: itself, or bfloat16 bits (uint16)."""
-
-
-@overload(_widen, inline="always")
-def _widen_typed(v):
-    if v == types.uint16:
-        return lambda v: _as_float32(np.uint32(v) << 16)
-    return lambda v: np.float32(v)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)

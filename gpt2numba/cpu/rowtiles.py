@@ -1,0 +1,167 @@
+"""Products over a few rows with a matrix kept [out, in]: tiles of rows x outputs, their sums in registers.
+
+out (+)= x @ W.T (+ b) for 2 to a few dozen rows of x, W float32 or bfloat16 bits (uint16), each of
+its rows an output's weights, contiguous (bfloat16's block matrices, the tied head's wte). A tile
+takes TILE_ROWS rows of x and TILE_OUTPUTS rows of W and keeps their TILE_ROWS x TILE_OUTPUTS dot
+products as vectors of partial sums in registers along K: per step of LANES inputs it loads each W
+row's step once (bfloat16 widened in registers) and each x row's once, and multiply-adds every pair,
+so that a weight loaded from memory serves TILE_ROWS rows and an input TILE_OUTPUTS outputs. The
+sums are reduced across their lanes once, at the end. A thread walks its span of W's rows a tile of
+outputs at a time and, for each, every tile of rows: W's rows stream from memory once, in order (the
+next tile's fetched while this one's are multiplied), and x's rows stay in cache. Measured in
+docs/performance.md, "A few rows in tiles".
+
+Written in LLVM's vector IR, as intkernels.py, so that the sums stay in registers: the tile's
+geometry follows the vector width dispatch.py found (16 lanes and 4 x 4 sums with AVX-512, 8 lanes and
+4 x 2 with AVX2, 4 lanes and 4 x 2 with SSE2, 8 lanes and 4 x 2 off x86). Private and unchecked, as
+the other kernels.
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+from .dispatch import MADD_WIDTH
+from .intkernels import _prefetch
+from .kernels import _as_float32
+
+LANES = MADD_WIDTH // 2 if MADD_WIDTH else 8  # float32 lanes of the widest vector (int16 lanes / 2)
+TILE_ROWS = 4  # rows of x per tile
+TILE_OUTPUTS = 4 if LANES >= 16 else 2  # rows of W per tile: 16 sums in 32 zmm registers; 8 in 16 ymm
+
+
+def _widen(v):
+    """A stored weight as float32: itself, or bfloat16 bits (uint16)."""
+
+
+@overload(_widen, inline="always")
+def _widen_typed(v):
+    if v == types.uint16:
+        return lambda v: _as_float32(np.uint32(v) << 16)
+    return lambda v: np.float32(v)
+
+
+@intrinsic
+def _tile_sums(typingctx, w, x, v0, v1, t0, T, sums):
+    """sums[r * TILE_OUTPUTS + n] = x[min(t0 + r, T - 1), :Kv] . W[min(v0 + n, v1 - 1), :Kv] (float32, partial
+    sums per lane reduced at the end), Kv = K rounded down to LANES, for r < TILE_ROWS, n < TILE_OUTPUTS.
+
+    w: float32 or uint16 (bfloat16 bits) (N, K), C order; x: float32 (T, K), C order; sums: float32
+    (TILE_ROWS * TILE_OUTPUTS,). Rows past T or v1 repeat the last (their sums are for the caller to drop).
+    """
+    def is_c(a, dtypes, ndim):
+        return isinstance(a, types.Array) and a.dtype in dtypes and a.ndim == ndim and a.layout == "C"
+
+    if not (is_c(w, (types.float32, types.uint16), 2) and is_c(x, (types.float32,), 2)
+            and is_c(sums, (types.float32,), 1)):
+        return None
+    bits = w.dtype == types.uint16
+
+    def codegen(context, builder, sig, args):
+        wa, xa, sa = (context.make_array(ty)(context, builder, v)
+                      for ty, v in (zip((sig.args[0], sig.args[1], sig.args[6]), (args[0], args[1], args[6]))))
+        v0v, v1v, t0v, Tv = args[2:6]
+        i16, i32, i64, f32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+        L, R, O = LANES, TILE_ROWS, TILE_OUTPUTS
+        vf = ir.VectorType(f32, L)
+
+        def const(n):
+            return ir.Constant(i64, n)
+
+        def clamped(first, r, end):  # min(first + r, end - 1)
+            at = builder.add(first, const(r))
+            return builder.select(builder.icmp_signed("<", at, end), at, builder.sub(end, const(1)))
+
+        def vector_at(ptr, index, ty, align):  # the vector of ty at ptr[index]
+            return builder.load(builder.bitcast(builder.gep(ptr, [index]), ty.as_pointer()), align=align)
+
+        K = builder.extract_value(xa.shape, 1)
+        Kv = builder.mul(builder.sdiv(K, const(L)), const(L))
+        w_row = [builder.mul(clamped(v0v, n, v1v), K) for n in range(O)]
+        ahead = builder.mul(K, const(O))
+        x_row = [builder.mul(clamped(t0v, r, Tv), K) for r in range(R)]
+        zero = ir.Constant(vf, [0.0] * L)
+        entry = builder.block
+        loop = builder.append_basic_block("tile_k")
+        done = builder.append_basic_block("tile_done")
+        builder.cbranch(builder.icmp_signed(">", Kv, const(0)), loop, done)
+
+        builder.position_at_end(loop)
+        k = builder.phi(i64)
+        k.add_incoming(const(0), entry)
+        acc = [[builder.phi(vf) for _ in range(O)] for _ in range(R)]
+        for r in range(R):
+            for n in range(O):
+                acc[r][n].add_incoming(zero, entry)
+        for n in range(O):  # the next tile's row n, as far ahead as this tile reads its own
+            _prefetch(builder, builder.bitcast(builder.gep(wa.data, [builder.add(builder.add(w_row[n], ahead), k)]),
+                                               ir.IntType(8).as_pointer()))
+        if bits:  # bfloat16: the high half of a float32
+            wv = [builder.bitcast(builder.shl(builder.zext(vector_at(wa.data, builder.add(w_row[n], k),
+                                                                     ir.VectorType(i16, L), 2), ir.VectorType(i32, L)),
+                                              ir.Constant(ir.VectorType(i32, L), [16] * L)), vf) for n in range(O)]
+        else:
+            wv = [vector_at(wa.data, builder.add(w_row[n], k), vf, 4) for n in range(O)]
+        nxt = []
+        for r in range(R):
+            xv = vector_at(xa.data, builder.add(x_row[r], k), vf, 4)
+            nxt.append([builder.fadd(acc[r][n], builder.fmul(xv, wv[n], flags=("contract",)), flags=("contract",))
+                        for n in range(O)])
+            for n in range(O):
+                acc[r][n].add_incoming(nxt[r][n], loop)
+        k_next = builder.add(k, const(L))
+        k.add_incoming(k_next, loop)
+        builder.cbranch(builder.icmp_signed("<", k_next, Kv), loop, done)
+
+        builder.position_at_end(done)
+        totals = [[builder.phi(vf) for _ in range(O)] for _ in range(R)]
+        for r in range(R):
+            for n in range(O):
+                totals[r][n].add_incoming(zero, entry)
+                totals[r][n].add_incoming(nxt[r][n], loop)
+        for j, v in enumerate(_lane_sums(builder, [s for row in totals for s in row])):
+            builder.store(v, builder.bitcast(builder.gep(sa.data, [const(j * L)]), vf.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(w, x, types.int64, types.int64, types.int64, types.int64, sums), codegen
+
+
+def _lane_sums(builder, vectors):
+    """The sums of the lanes of n float vectors of L lanes each (n a multiple of L), as n / L vectors: sum i in
+    lane i % L of vector i // L. Pairs of vectors are folded into one, each half of a lane block added to the
+    other, until every block is one lane wide: log2(L) rounds of two shuffles and an add per pair, not log2(L)
+    of them per vector."""
+    i32 = ir.IntType(32)
+    L = vectors[0].type.count
+    width = L  # lanes per block; vector j holds blocks for the sums j * (L // width) ...
+    while width > 1:
+        half, blocks = width // 2, L // width
+        firsts = [b * width + i for b in range(blocks) for i in range(half)]
+        mask_a = ir.Constant(ir.VectorType(i32, L), firsts + [L + k for k in firsts])
+        mask_b = ir.Constant(ir.VectorType(i32, L), [k + half for k in firsts] + [L + k + half for k in firsts])
+        vectors = [builder.fadd(builder.shuffle_vector(a, b, mask_a), builder.shuffle_vector(a, b, mask_b))
+                   for a, b in zip(vectors[::2], vectors[1::2])]
+        width = half
+    return vectors
+
+
+@njit(cache=True, nogil=True)
+def _tiles(w, x, b, out, accumulate, start, end, sums):
+    """out[:, v] (+)= x @ W[v].T (+ b[v]) for v in start..end-1, W = widen(w), in tiles: every tile of rows for
+    each tile of outputs. w: (N, K); x: (T, K); b: (N,) or None; out: (T, N); sums: float32 (TILE_ROWS *
+    TILE_OUTPUTS,), the thread's."""
+    T, K = x.shape
+    Kv = K - K % LANES
+    for v0 in range(start, end, TILE_OUTPUTS):
+        for t0 in range(0, T, TILE_ROWS):
+            _tile_sums(w, x, v0, end, t0, T, sums)
+            for r in range(min(TILE_ROWS, T - t0)):
+                for n in range(min(TILE_OUTPUTS, end - v0)):
+                    s = sums[r * TILE_OUTPUTS + n]
+                    for k in range(Kv, K):  # the inputs past the last whole step
+                        s += x[t0 + r, k] * _widen(w[v0 + n, k])
+                    if b is not None:
+                        s += b[v0 + n]
+                    out[t0 + r, v0 + n] = out[t0 + r, v0 + n] + s if accumulate else s
+
