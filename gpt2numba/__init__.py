@@ -19,7 +19,8 @@ from .errors import (
     TokenTypeError,
 )
 from .model.config import GPT2Config
-from .model.weights import GPT2Weights, load_weights, random_weights, save_weights
+from .model.weights import GPT2Weights, random_weights
+from .model.checkpoints import load_weights, save_weights
 from .model.kvcache import KV_DTYPES, ModelCache
 from .model.forward import (
     decode_batch,

@@ -4,7 +4,7 @@
 
 The products go through products.matmul, as a pass runs them (one pinned thread pool, BLAS
 on one thread inside it), so each format takes the kernel a pass picks at that many rows:
-a few rows read the weights as stored (_linear_rows, _int_rows); more go to BLAS (float32;
+a few rows read the weights as stored (_rows_product, _int_rows); more go to BLAS (float32;
 bfloat16 widened first) or to the integer tiles (inttiles.py), the inputs quantised in the
 call. Per number of rows the formats alternate over the four matrices of a layer (GPT-2
 small's shapes with random weights, or --model's first layer). The table gives each

@@ -36,7 +36,8 @@ def tensors(w, layout="transformers", dtype="float32"):
     P = w.config.n_positions
     for layer in range(w.config.n_layer):
         for field, key in BLOCK_KEYS.items():
-            out[f"{prefix}h.{layer}.{key}"] = getattr(w, field)[layer].astype(cast)
+            # (safetensors writes an array's memory as it lies: float32's block matrices are views of rows)
+            out[f"{prefix}h.{layer}.{key}"] = getattr(w, field)[layer].astype(cast, order="C")
         if layout == "openai":
             out[f"h.{layer}.attn.bias"] = np.tril(np.ones((P, P), np.float32))[None, None].astype(cast)
             out[f"h.{layer}.attn.masked_bias"] = np.array(-1e4, np.float32).astype(cast)

@@ -36,9 +36,6 @@ def test_this_cpu_is_chosen_for_once():
 
 
 def test_the_cut_of_work():
-    """The same chunks for 1 and 2 threads (the same bits), 4 a thread beyond; the weights split up to
-    SPLIT_K_ROWS rows but at 2; past it, one GEMM a thread."""
+    """The same chunks for 1 and 2 threads (the same bits), 4 a thread beyond."""
     assert dispatch.n_chunks(1) == dispatch.n_chunks(2) == dispatch.MIN_CHUNKS == 8
     assert dispatch.n_chunks(12) == 48
-    assert [dispatch.split_k(t) for t in (1, 2, 3, 256, 257)] == [True, False, True, True, False]
-    assert dispatch.blas_chunks(100, 8) == 8 and dispatch.blas_chunks(512, 8) == 2 and dispatch.blas_chunks(2, 16) == 4

@@ -10,6 +10,7 @@ import pytest
 import gpt2numba as g
 from checkpoints import BLOCK_KEYS, DTYPES, TOP_KEYS, config_json, write_dir, write_file
 from conftest import TINY
+from gpt2numba.model import compact
 from helpers import assert_matches_oracle
 
 
@@ -18,8 +19,33 @@ def assert_same_weights(loaded, w, dtype="float32"):
     for field in [*TOP_KEYS, *BLOCK_KEYS]:
         want = getattr(w, field).astype(DTYPES[dtype]).astype(np.float32)
         got = getattr(loaded, field)
-        assert got.dtype == np.float32 and got.flags.c_contiguous, field
+        assert got.dtype == np.float32 and kept(field, got).flags.c_contiguous, field
         np.testing.assert_array_equal(got, want, err_msg=field)
+
+
+def kept(field, a):
+    """How float32 weights keep an array: the blocks' matrices [out, in], the rest as they are."""
+    return compact.to_rows(field, a) if field in compact.BLOCK_MATRICES else a
+
+
+def test_float32_block_matrices_are_kept_as_rows(tiny):
+    """float32 keeps each block matrix [out, in] (an output's weights contiguous, as the few-row products read
+    them) behind a read-only [in, out] view: from the constructor, astype, dequantized and a pickle alike."""
+    import pickle
+
+    C = tiny.config.n_embd
+    assert tiny.c_fc_w.shape == (tiny.config.n_layer, C, 4 * C)  # the model's layout, as ever
+    given = np.ascontiguousarray(tiny.c_fc_w)  # [in, out], C-contiguous: copied into rows
+    built = dataclasses.replace(tiny, c_fc_w=given)
+    for w in (tiny, built, tiny.astype("int8").dequantized(), pickle.loads(pickle.dumps(tiny))):
+        for field in compact.BLOCK_MATRICES:
+            assert kept(field, getattr(w, field)).flags.c_contiguous, field
+            assert not getattr(w, field).flags.writeable
+    np.testing.assert_array_equal(built.c_fc_w, given)
+    assert given.flags.writeable  # the caller's array is its own
+    again = dataclasses.replace(tiny)  # already kept so: no copy
+    assert np.shares_memory(again.c_fc_w, tiny.c_fc_w)
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(tiny)).c_attn_w, tiny.c_attn_w)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -142,9 +142,16 @@ def _gemm(a, b, out, b_transposed):
         return
     if M == 1:
         if b_transposed:  # out = b @ a[0]
-            _cblas_sgemv(_NO_TRANS, N, K, b.ctypes.data, b.strides[0] // 4, a.ctypes.data, out.ctypes.data)
+            _cblas_sgemv(_NO_TRANS, N, K, b.ctypes.data, _leading(b), a.ctypes.data, out.ctypes.data)
         else:  # out = b.T @ a[0]
-            _cblas_sgemv(_TRANS, K, N, b.ctypes.data, b.strides[0] // 4, a.ctypes.data, out.ctypes.data)
+            _cblas_sgemv(_TRANS, K, N, b.ctypes.data, _leading(b), a.ctypes.data, out.ctypes.data)
         return
-    _cblas_sgemm(_TRANS if b_transposed else _NO_TRANS, M, N, K, a.ctypes.data, a.strides[0] // 4,
-                 b.ctypes.data, b.strides[0] // 4, out.ctypes.data, out.strides[0] // 4)
+    _cblas_sgemm(_TRANS if b_transposed else _NO_TRANS, M, N, K, a.ctypes.data, _leading(a),
+                 b.ctypes.data, _leading(b), out.ctypes.data, _leading(out))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _leading(m):
+    """The leading dimension BLAS takes for a 2-D float32 array with contiguous rows: its row stride in elements,
+    at least a row's length (NumPy may give a single row any stride, which BLAS refuses)."""
+    return max(m.strides[0] // 4, m.shape[1])

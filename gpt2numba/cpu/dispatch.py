@@ -56,7 +56,7 @@ class Choices(NamedTuple):
     byte_madd: bool  # one row's int8 dot products by AVX2's vpmaddubsw (intkernels._madd_signed_bytes)
     nibble_vnni: tuple[int, ...]  # vector bits of the vpdpbusd that multiplies int4's nibbles in _dot_row
     tile_vnni: int  # bits of the vpdpbusd of the integer tiles' quads (inttiles.QUADS); 0: pmaddwd's pairs
-    rows_max: int  # float32 rows up to which _linear_rows runs, not BLAS
+    rows_max: int  # float32 rows up to which _rows_product runs (its matrix [out, in] as kept), not BLAS
     bf16_rows_max: int  # bfloat16 rows up to which _rows_product runs, not BLAS on the widened matrix
     head_rows_max: int  # rows up to which the head is _rows_product, not BLAS
     int_rows_max: int  # int8 rows up to which intkernels._int_rows runs, not the tiles
@@ -76,7 +76,8 @@ def choose(features: frozenset[str] | None) -> Choices:
     return Choices(
         f16c=features is None or "f16c" in f,  # (ARM converts half floats in instructions)
         madd_width=madd_width, byte_madd=byte_madd, nibble_vnni=nibble_vnni, tile_vnni=tile_vnni,
-        # AVX2: BLAS took 0.88x the kernel's time at 2 rows, 1.04-1.08x at 3, 0.93-0.97x at 4; AVX-512: 64 won
+        # AVX2: BLAS took 0.88x the kernel's time at 2 rows, 1.04-1.08x at 3, 0.93-0.97x at 4 (the kernel before the
+        # tiles, on the matrix [in, out]; not measured since on AVX2); AVX-512: 64 won
         rows_max=64 if avx512 else 3,
         # AVX2: BLAS on the widened matrix took 1.25x the kernel's time at 4 rows, 1.17x at 6, 0.97x at 8 (the kernel
         # before bfloat16 was kept [out, in]); AVX-512: 8.0-8.2 ms a layer at 64 rows, BLAS 10.3 at 80
@@ -106,7 +107,7 @@ INT4_ROWS_MAX = CHOICES.int4_rows_max
 
 # --- the same on every CPU -------------------------------------------------------------------------------
 
-# Rows up to which layernorm, GELU and the split-k sums run on the calling thread, not in a parallel region,
+# Rows up to which layernorm and GELU run on the calling thread, not in a parallel region,
 # whose barrier waits for any thread the OS took away: a decode step opens 5 a layer, the products and attention
 SERIAL_ROWS = 8
 # Chunks of rows in those kernels past SERIAL_ROWS, and in the integer tiles' input layout (not measured)
@@ -115,8 +116,6 @@ ROW_CHUNKS = 32
 # 43 alone); at least MIN_CHUNKS, so that 1 and 2 threads cut the work alike and give the same bits
 CHUNKS_PER_THREAD = 4
 MIN_CHUNKS = 8
-# Rows up to which a BLAS product splits the weights' rows across chunks: it won from 1 row to 256, but at 2
-SPLIT_K_ROWS = 256
 # Bytes ahead of its reads that the integer formats' one-row dot products ask the CPU to fetch their matrix
 # (intkernels._dot_row): a decode step at context 128 took 0.94x (int8) and 0.91x (int4) the
 # time without, 2048 and 8192 bytes alike within the runs' spread; bfloat16's row kernels took 1.17x with it (AMD
@@ -127,15 +126,3 @@ PREFETCH_BYTES = 4096
 def n_chunks(threads: int) -> int:
     """The chunks every parallel kernel of a pass cuts its work into, for this many threads."""
     return max(MIN_CHUNKS, threads * CHUNKS_PER_THREAD)
-
-
-def split_k(rows: int) -> bool:
-    """Whether a BLAS product over this many rows splits the weights' rows, rather than the rows, across chunks."""
-    return rows != 2 and rows <= SPLIT_K_ROWS
-
-
-def blas_chunks(rows: int, chunks: int) -> int:
-    """The chunks of a BLAS product over this many rows in a pass of ``chunks``: all of them when it splits
-    the weights; else one a thread, since a GEMM is fastest as large as it can be (at 512 rows, 2 of 256
-    rows took 59 ms where 8 of 64 took 79)."""
-    return chunks if split_k(rows) else chunks // CHUNKS_PER_THREAD

@@ -1,9 +1,9 @@
 """Numba kernels of the matrix products: the blocks' linear layers and the tied output head.
 
-Private and unchecked, as kernels.py (whose shapes and conventions these share). Weights
-are float32 in the model's layout, or bfloat16 bits as uint16 kept [out, in] (compact.py): read
-directly, widened in registers, by one row and a few; widened one matrix at a time for BLAS
-by many. The integer formats' own
+Private and unchecked, as kernels.py (whose shapes and conventions these share). Matrices are
+kept [out, in]: float32, or bfloat16 bits as uint16 (compact.py); read directly (bfloat16 widened in
+registers) by one row and a few (rowtiles.py); by many through BLAS, bfloat16 widened one matrix at a
+time. The integer formats' own
 products are in intkernels.py; their heads over many rows are here, beside bfloat16's.
 Every parallel kernel hands out its chunks from an atomic counter (chunks.py).
 """
@@ -18,63 +18,31 @@ from . import inttiles
 from .rowtiles import TILE_OUTPUTS, TILE_ROWS, _tiles, _widen
 from .blas import _gemm
 from .chunks import _claimed, _span
-from .dispatch import ROW_CHUNKS, SERIAL_ROWS
+from .dispatch import ROW_CHUNKS
 from .kernels import FASTMATH, _as_float32, _exp_inplace
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _linear(x, w, b, scratch, out, accumulate, n_chunks, split_k, out_in):
-    """out = x @ W + b, or out += x @ W + b when ``accumulate`` (a residual add).
+def _linear(x, w, b, scratch, out, accumulate, n_chunks):
+    """out = x @ W.T + b, or out += x @ W.T + b when ``accumulate`` (a residual add): many rows, through BLAS.
 
-    x: (T, K); w: W (K, N), or W.T (N, K) when ``out_in`` (bfloat16's layout, widened; not with
-    split_k), which BLAS reads transposed; b: (N,); out: (T, N); scratch: flat float32, at least
-    n_chunks * T * N elements when ``split_k``, else T * N. Each chunk is a
-    single-threaded BLAS product: with split_k, a span of w's rows into partial
-    sums, so each thread streams its own part of the weights (few tokens, where
-    reading w is the cost); otherwise a span of x's rows (many tokens, where the
-    flops are).
+    x: (T, K); w: W (N, K), as every format keeps its matrices (float32 as stored, bfloat16 widened), which
+    BLAS reads transposed; b: (N,); out: (T, N); scratch: flat float32 of at least T * N. Each chunk is a
+    span of x's rows, one single-threaded BLAS product (the flops are the cost; a few rows, where reading W
+    is, go to _rows_product).
     """
-    T, K = x.shape
-    N = w.shape[0] if out_in else w.shape[1]
+    T = x.shape[0]
+    N = w.shape[0]
+    product = scratch[: T * N].reshape(T, N)
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
-    if not split_k:
-        product = scratch[: T * N].reshape(T, N)
-        for _ in prange(n_chunks):
-            for c in _claimed(nxt, n_chunks):
-                start, end = _span(c, n_chunks, T, 1)
-                _gemm(x[start:end], w, product[start:end], out_in)
-                for i in range(start, end):
-                    for j in range(N):
-                        s = product[i, j] + b[j]
-                        out[i, j] = out[i, j] + s if accumulate else s
-        return
-    partial = scratch[: n_chunks * T * N].reshape(n_chunks, T, N)
     for _ in prange(n_chunks):
         for c in _claimed(nxt, n_chunks):
-            start, end = _span(c, n_chunks, K, 1)
-            if start < end:
-                _gemm(x[:, start:end], w[start:end], partial[c], False)
-            else:
-                partial[c] = 0.0
-    if T <= SERIAL_ROWS:
-        _sum_partials(partial, b, out, accumulate, 0, T)
-        return
-    rows = np.zeros(1, np.int64)  # the next chunk of rows
-    for _ in prange(ROW_CHUNKS):
-        for c in _claimed(rows, ROW_CHUNKS):
-            start, end = _span(c, ROW_CHUNKS, T, 1)
-            _sum_partials(partial, b, out, accumulate, start, end)
-
-
-@njit(cache=True, nogil=True)
-def _sum_partials(partial, b, out, accumulate, start, end):
-    """out[i] (+)= b + the sum over chunks of partial[:, i], for rows start..end-1. partial: (n_chunks, T, N)."""
-    for i in range(start, end):
-        for j in range(out.shape[1]):
-            s = b[j]
-            for c in range(partial.shape[0]):
-                s += partial[c, i, j]
-            out[i, j] = out[i, j] + s if accumulate else s
+            start, end = _span(c, n_chunks, T, 1)
+            _gemm(x[start:end], w, product[start:end], True)
+            for i in range(start, end):
+                for j in range(N):
+                    s = product[i, j] + b[j]
+                    out[i, j] = out[i, j] + s if accumulate else s
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
@@ -125,52 +93,6 @@ def _put(out, r, v, s, b, accumulate):
 # of wte (and its float32 widening, for compact weights) stays in cache while
 # every row's scores are taken from it.
 HEAD_CHUNK = 512
-
-
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _rows_update(x, t, u, k, w, lo, hi, a, b):
-    """a += x[t, k:k+8] @ W[k:k+8, lo:hi] and b += x[u, k:k+8] @ W[k:k+8, lo:hi], W = widen(w).
-
-    The eight weight rows are read once for both rows of x.
-    """
-    x0, x1, x2, x3, x4, x5, x6, x7 = x[t, k], x[t, k + 1], x[t, k + 2], x[t, k + 3], \
-        x[t, k + 4], x[t, k + 5], x[t, k + 6], x[t, k + 7]
-    y0, y1, y2, y3, y4, y5, y6, y7 = x[u, k], x[u, k + 1], x[u, k + 2], x[u, k + 3], \
-        x[u, k + 4], x[u, k + 5], x[u, k + 6], x[u, k + 7]
-    r0, r1, r2, r3, r4, r5, r6, r7 = w[k, lo:hi], w[k + 1, lo:hi], w[k + 2, lo:hi], w[k + 3, lo:hi], \
-        w[k + 4, lo:hi], w[k + 5, lo:hi], w[k + 6, lo:hi], w[k + 7, lo:hi]
-    for j in range(hi - lo):
-        v0, v1, v2, v3 = _widen(r0[j]), _widen(r1[j]), _widen(r2[j]), _widen(r3[j])
-        v4, v5, v6, v7 = _widen(r4[j]), _widen(r5[j]), _widen(r6[j]), _widen(r7[j])
-        a[j] += ((x0 * v0 + x1 * v1) + (x2 * v2 + x3 * v3)) + ((x4 * v4 + x5 * v5) + (x6 * v6 + x7 * v7))
-        b[j] += ((y0 * v0 + y1 * v1) + (y2 * v2 + y3 * v3)) + ((y4 * v4 + y5 * v5) + (y6 * v6 + y7 * v7))
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _linear_rows(x, w, b, scratch, out, accumulate, n_chunks):
-    """out (+)= x @ W + b for a few rows, reading float32 W as stored.
-
-    x: (T, K), K a multiple of 8; w: (K, N); b: (N,); out: (T, N); scratch: flat float32 of at
-    least (T + 1) * N. A chunk is a span of columns (whole cache lines), its part of w streamed
-    eight rows at a time, updating two rows of accumulators per pass: every weight read serves
-    two rows of x (an odd last row is paired with itself, its twin's sums going to a spare row).
-    """
-    T, K = x.shape
-    N = w.shape[1]
-    rows = T + T % 2
-    nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
-    for _ in prange(n_chunks):
-        for c in _claimed(nxt, n_chunks):
-            start, end = _span(c, n_chunks, N, 16)
-            acc = scratch[rows * start: rows * end].reshape(rows, end - start)
-            acc[:] = 0.0
-            for k in range(0, K, 8):
-                for t in range(0, T, 2):
-                    _rows_update(x, t, min(t + 1, T - 1), k, w, start, end, acc[t], acc[t + 1])
-            for t in range(T):
-                for j in range(end - start):
-                    v = acc[t, j] + b[start + j]
-                    out[t, start + j] = out[t, start + j] + v if accumulate else v
 
 
 @njit(cache=True, nogil=True, parallel=True)

@@ -9,7 +9,7 @@ product along a row, read at the speed of memory by one row: bfloat16's four mat
 of a layer streamed at 34-42 GB/s so, against 23-30 along the columns (2 threads,
 AMD EPYC Zen 4); and for the integer formats a group of GROUP inputs is
 contiguous. bfloat16 files keep the model's layout, as every GPT-2 loader reads
-them (weights.py turns them on the way). The integer formats: each group has a float32 scale, and
+them (checkpoints.py turns them on the way). The integer formats: each group has a float32 scale, and
 values are symmetric about zero: int8 in [-127, 127] (scale = max|x| / 127);
 int4 in [-8, 7], as llama.cpp's Q4_0: the group's value of largest magnitude
 becomes -8 (scale = that value / -8, so a negative scale when it is positive), and
@@ -39,6 +39,7 @@ INTEGER = ("int8", "int4")
 STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "int8": np.int8, "int4": np.uint8}  # bfloat16 as its bits
 LEVELS = {"int8": 127, "int4": 8}  # the largest |value| of each integer format
 MATRICES = ("wte", "c_attn_w", "attn_c_proj_w", "c_fc_w", "mlp_c_proj_w")
+BLOCK_MATRICES = MATRICES[1:]  # the blocks' four: [in, out] in the model
 _CHUNK_ROWS = 4096  # quantize() takes a longer matrix (wte) this many rows at a time: small temporaries
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from ..errors import GPT2NumbaError
 from .config import GPT2Config
-from .weights import GPT2Weights, load_weights, random_weights
+from .checkpoints import load_weights
+from .weights import GPT2Weights, random_weights
 
 RANDOM_NOTE = "random GPT-2 small weights (seed 0): the text is meaningless; pass --model for a real checkpoint"
 RANDOM_NAME = "random-gpt2-small"  # the server's model id for them, unless --model-name says otherwise

@@ -1,8 +1,8 @@
 """The matrix products of a pass: which kernel multiplies, by the weights' format and the rows, and the
 buffers a pass works in (kept per thread and weights, only ever grown).
 
-Every product reads its matrix as stored: float32 through BLAS or, for a few rows, as is
-(matkernels); bfloat16 ([out, in]) widened in registers, or once into a dense buffer for many rows; int8 and
+Every product reads its matrix as stored, [out, in]: float32 as is and bfloat16 widened in registers for a
+few rows (matkernels, rowtiles), or through BLAS for many (bfloat16 widened once into a dense buffer); int8 and
 int4 in integers (intkernels for a few rows, inttiles' tiles for more), the inputs rounded to int8
 per group. The thresholds between them are dispatch.py's.
 """
@@ -21,7 +21,7 @@ from ..cpu import dispatch, inttiles
 from ..cpu.dispatch import BF16_ROWS_MAX, HEAD_ROWS_MAX, INT4_ROWS_MAX, INT_ROWS_MAX, ROWS_MAX
 from ..cpu.intkernels import _int_matmul
 from ..cpu.kernels import attend_width
-from ..cpu.matkernels import _expand_bf16, _head, _linear, _linear_rows, _rows_product
+from ..cpu.matkernels import _expand_bf16, _head, _linear, _rows_product
 from . import compact
 from .config import GPT2Config
 from .weights import GPT2Weights
@@ -29,23 +29,22 @@ from .weights import GPT2Weights
 
 def matmul(x, field, layer, b, out, accumulate, w, work, n_chunks):
     """out (+)= x @ (layer's matrix ``field``) + b, whatever the matrix's storage."""
-    T, K = x.shape
+    T = x.shape[0]
     matrix = getattr(w, field)[layer]
     if w.scales:
         integer_matmul(x, matrix, w.scales[field][layer], b, out, accumulate, work, n_chunks)
         return
-    if w.dtype == "bfloat16" and T <= BF16_ROWS_MAX:  # few rows read the bfloat16 matrix [out, in] itself
-        _rows_product(matrix, x, b, out, accumulate, n_chunks)
+    rows = compact.to_rows(field, matrix) if w.dtype == "float32" else matrix  # [out, in] as kept (float32's field: a view)
+    if T <= (BF16_ROWS_MAX if w.dtype == "bfloat16" else ROWS_MAX):  # few rows read the matrix itself
+        _rows_product(rows, x, b, out, accumulate, n_chunks)
         return
-    scratch = work.scratch(T, n_chunks)
-    if w.dtype == "bfloat16":  # many rows: widen the matrix once; BLAS reads it transposed, a span of rows a thread
-        dense = work.dense(matrix.shape)
-        _expand_bf16(matrix, dense)
-        _linear(x, dense, b, scratch, out, accumulate, n_chunks // dispatch.CHUNKS_PER_THREAD, False, True)
-    elif 2 <= T <= ROWS_MAX and K % 8 == 0:  # float32, few rows: as stored
-        _linear_rows(x, matrix, b, scratch, out, accumulate, n_chunks)
-    else:
-        _linear(x, matrix, b, scratch, out, accumulate, dispatch.blas_chunks(T, n_chunks), dispatch.split_k(T), False)
+    if w.dtype == "bfloat16":  # many rows: widen the matrix once
+        dense = work.dense(rows.shape)
+        _expand_bf16(rows, dense)
+        rows = dense
+    # BLAS reads the matrix transposed, a span of x's rows a thread (a GEMM is fastest as large as it can be:
+    # at 512 rows, 2 of 256 rows took 59 ms where 8 of 64 took 79)
+    _linear(x, rows, b, work.scratch(T), out, accumulate, n_chunks // dispatch.CHUNKS_PER_THREAD)
 
 
 def integer_matmul(x, q, scale, b, out, accumulate, work, n_chunks):
@@ -110,10 +109,10 @@ class Workspace:
         self._wide = np.empty(0, np.int16)
         self._views = {}  # (T, K): quantized's views of _int8 and _int8_scales
 
-    def scratch(self, T: int, n_chunks: int) -> np.ndarray:
-        """Where matrix products land first: T rows, or T partial rows per chunk (flat)."""
-        need = max((n_chunks if dispatch.split_k(T) else 1) * T, 2 * n_chunks, T + 1) * self.width
-        if self._scratch.size < need:  # grows with the rows, or when the thread count grows
+    def scratch(self, T: int) -> np.ndarray:
+        """Where BLAS's products of T rows land first (flat)."""
+        need = T * self.width
+        if self._scratch.size < need:  # grows with the rows
             self._scratch = np.empty(need, np.float32)
         return self._scratch
 
