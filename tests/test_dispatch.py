@@ -11,13 +11,13 @@ _AVX512 = _AVX2 | {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
 # dispatch.py's table: (ROWS_MAX, BF16_ROWS_MAX, HEAD_ROWS_MAX, INT_ROWS_MAX, INT4_ROWS_MAX, tiles' vpdpbusd bits),
 # and the instructions behind them (F16C, pmaddwd's int16 lanes, vpmaddubsw, vpdpbusd for int4's nibbles)
 TABLE = {
-    "AVX-512 with VNNI": (_AVX512 | {"avx512vnni"}, (64, 64, 16, 10, 8, 512), (True, 32, False, (256, 512))),
-    "AVX-512": (_AVX512, (64, 64, 16, 10, 4, 0), (True, 32, False, ())),
+    "AVX-512 with VNNI": (_AVX512 | {"avx512vnni"}, (64, 64, 64, 10, 8, 512), (True, 32, False, (256, 512))),
+    "AVX-512": (_AVX512, (64, 64, 64, 10, 4, 0), (True, 32, False, ())),
     "AVX2 with AVX-VNNI": (_AVX2 | {"avxvnni"}, (3, 7, 10, 10, 8, 256), (True, 16, True, (256,))),
     "AVX2": (_AVX2, (3, 7, 10, 10, 7, 0), (True, 16, True, ())),
     "AVX": (_SSE | {"avx"}, (3, 7, 10, 10, 4, 0), (False, 8, False, ())),
     "SSE2": (_SSE, (3, 7, 10, 10, 4, 0), (False, 8, False, ())),
-    "not x86": (None, (64, 64, 16, 10, 4, 0), (True, 0, False, ())),
+    "not x86": (None, (64, 64, 64, 10, 4, 0), (True, 0, False, ())),
 }
 
 

@@ -6,12 +6,12 @@ the row thresholds, as CTranslate2 keeps one get_cpu_isa() and a table per ISA. 
 on the CPUs that matter (tests/test_dispatch.py holds choose() to this table):
 
     instruction set                ROWS_MAX  BF16_ROWS_MAX  HEAD_ROWS_MAX  INT4_ROWS_MAX  integer tiles
-    AVX-512 with VNNI (Zen 4)         64          64             16              8        vpdpbusd, 512 bits
-    AVX-512 (Skylake-X)               64          64             16              4        pmaddwd, 512 bits
+    AVX-512 with VNNI (Zen 4)         64          64             64              8        vpdpbusd, 512 bits
+    AVX-512 (Skylake-X)               64          64             64              4        pmaddwd, 512 bits
     AVX2 with AVX-VNNI (Alder Lake)    3           7             10              8        vpdpbusd, 256 bits
     AVX2 (Zen 3)                       3           7             10              7        pmaddwd, 256 bits
     SSE2 or AVX                        3           7             10              4        pmaddwd, 128 bits
-    not x86                           64          64             16              4        generic vectors
+    not x86                           64          64             64              4        generic vectors
 
 INT_ROWS_MAX is 10 on every one. Each number's measurement is one line beside it, in full in
 docs/performance.md, "Thresholds" (2 vCPUs, GPT-2 small's matrices).
@@ -82,8 +82,9 @@ def choose(features: frozenset[str] | None) -> Choices:
         # AVX2: BLAS on the widened matrix took 1.25x the kernel's time at 4 rows, 1.17x at 6, 0.97x at 8 (the kernel
         # before bfloat16 was kept [out, in]); AVX-512: 8.0-8.2 ms a layer at 64 rows, BLAS 10.3 at 80
         bf16_rows_max=64 if avx512 else 7,
-        # AVX2: BLAS took 1.01-1.02x at 8 rows, 0.97-1.02x at 12; AVX-512: the kernel 1.6x as fast at 8
-        head_rows_max=16 if avx512 else 10,
+        # AVX2: BLAS took 1.01-1.02x at 8 rows, 0.97-1.02x at 12 (before the tiles); AVX-512, the tiles: BLAS took
+        # 1.68x their time at 16 rows, 1.28x at 32, 1.02x at 64 in float32, 2.32x, 1.73x, 1.31x in bfloat16
+        head_rows_max=64 if avx512 else 10,
         # 10 rows 5.4 ms against the tiles' 5.9, 12 rows 6.3 against 5.9 (AVX2)
         int_rows_max=10,
         # VNNI: 8 rows 27.2 ms a step against the tiles' 33.6; AVX2: 7 rows 17.2 against 18.5; else 4: 3.0 against 3.1
