@@ -141,7 +141,7 @@ def test_cache_arrays_cannot_be_replaced(filled):
             setattr(mc, name, None)
 
 
-@pytest.mark.parametrize("module, kernel", [("model.forward", "_attend"), ("model.products", "_rows_product")])
+@pytest.mark.parametrize("module, kernel", [("model.forward", "_attend"), ("model.forward", "head_logits")])
 def test_interrupted_call_leaves_the_cache(tiny, filled, monkeypatch, module, kernel):
     """An exception inside the layer loop (attention) or after it (the output head,
     once every layer wrote its rows) rolls the lengths back."""

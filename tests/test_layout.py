@@ -98,7 +98,7 @@ FLOORS = [
     {"serve", "integrations"},
     {"bench"},
     {"cli"},
-    {"__main__", "harness"},  # entry points: python -m gpt2numba; the documented path of integrations/harness.py
+    {"__main__", "harness", "distributed"},  # python -m gpt2numba; documented paths of integrations/
 ]
 MAX_TOP_MODULES = 6
 
@@ -147,6 +147,15 @@ def test_the_floors_find_a_wrong_arrow():
         "gpt2numba.cpu.dispatch -> gpt2numba.model.compact"]
     assert wrong_arrows({"gpt2numba.serve.engine": {"gpt2numba.integrations.distributed"}})
     assert wrong_arrows({"gpt2numba.extra": {"gpt2numba.errors"}})
+
+
+def test_documented_paths_of_moved_modules():
+    """gpt2numba.distributed, which the README and docs give, is integrations/distributed.py's (gpt2numba.harness,
+    also a command, is run by tests/test_harness.py)."""
+    from gpt2numba import distributed
+    from gpt2numba.integrations import distributed as moved
+
+    assert distributed.score_dataset is moved.score_dataset and distributed.generate_dataset is moved.generate_dataset
 
 
 def test_a_short_top_level():

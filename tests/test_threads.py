@@ -23,8 +23,8 @@ from conftest import TINY
 pytestmark = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
 
 # A prompt past dispatch.SERIAL_ROWS (the chunked elementwise kernels) and past ROWS_MAX
-# and INT_ROWS_MAX (the BLAS paths, the integer tiles), one past 256 (blocks of tokens, not
-# of weights), a ragged batch, and one decode step.
+# and INT_ROWS_MAX (the BLAS paths, the integer tiles), one past 256, a ragged batch, and one
+# decode step.
 _SCRIPT = """
 import dataclasses, hashlib, json, sys
 import numpy as np
@@ -88,8 +88,8 @@ def test_more_threads_than_cpus_give_the_same_bits():
 
 
 def test_chunks_do_not_follow_the_thread_count(monkeypatch):
-    """The cut is MIN_CHUNKS for 1 and 2 threads; a cut that grew with the threads would change
-    the split-k sums' order, which the bit-for-bit test above would catch."""
+    """The cut is MIN_CHUNKS for 1 and 2 threads, so that both cut the work alike (the bit-for-bit test
+    above compares them)."""
     seen = []
     real = forward._attention_plan
 

@@ -152,6 +152,6 @@ def _gemm(a, b, out, b_transposed):
 
 @njit(cache=True, nogil=True, inline="always")
 def _leading(m):
-    """The leading dimension BLAS takes for a 2-D float32 array with contiguous rows: its row stride in elements,
-    at least a row's length (NumPy may give a single row any stride, which BLAS refuses)."""
-    return max(m.strides[0] // 4, m.shape[1])
+    """The leading dimension BLAS takes for a 2-D float32 array with contiguous rows: its row stride in elements;
+    for a single row, whose stride NumPy may set to anything (BLAS refuses less than a row), the row's length."""
+    return m.strides[0] // 4 if m.shape[0] > 1 else m.shape[1]

@@ -1,7 +1,7 @@
 """GGUF files of gpt2numba's weights, for llama.cpp (the optional extra [peers]): the benchmark's peer.
 
 Written with the gguf package (its GGUFWriter and its quantisers) in llama.cpp's
-"gpt2" layout: matrices are [out, in] (gpt2numba keeps [in, out]), one fused
+"gpt2" layout: matrices are [out, in] (the model's layout is [in, out]), one fused
 attn_qkv per block, and GPT-2's own vocabulary and merges so llama.cpp can load it.
 Q4_0 comes from llama.cpp's own quantiser (llama_model_quantize) over the F32
 file, so it is llama.cpp's default Q4_0: the tied embedding and head in Q6_K.

@@ -3,8 +3,8 @@
 Only the matrices are compacted (the blocks' four and the tied wte); biases,
 layernorm parameters and wpe stay float32, as does the cache.
 
-Every compact format keeps every matrix [out, in] (the blocks' are [in, out] in
-the model and in float32; wte is [out, in] already), so that an output is one dot
+Every format keeps every matrix [out, in] (the blocks' are [in, out] in the model,
+and float32's fields are [in, out] views; wte is [out, in] already), so that an output is one dot
 product along a row, read at the speed of memory by one row: bfloat16's four matrices
 of a layer streamed at 34-42 GB/s so, against 23-30 along the columns (2 threads,
 AMD EPYC Zen 4); and for the integer formats a group of GROUP inputs is
@@ -138,15 +138,16 @@ def compress(field: str, a: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndar
         return to_bfloat16(to_rows(field, a)), None
     if dtype in INTEGER:
         return quantize(np.ascontiguousarray(to_rows(field, a), np.float32), dtype)
-    return np.ascontiguousarray(a, np.float32), None
+    return np.asarray(a, np.float32), None  # (GPT2Weights lays it out)
 
 
 def expand(field: str, stored: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
-    """float32 values of a stored matrix in the model's layout, whatever its format."""
+    """float32 values of a stored matrix in the model's layout, whatever its format: for the blocks' matrices a
+    view [in, out] of values [out, in], as float32 weights keep them."""
     if stored.dtype == np.uint16:
-        return np.ascontiguousarray(from_rows(field, from_bfloat16(stored)))
+        return from_rows(field, from_bfloat16(stored))
     if scale is not None:
-        return np.ascontiguousarray(from_rows(field, dequantize(stored, scale)))
+        return from_rows(field, dequantize(stored, scale))
     return stored
 
 
