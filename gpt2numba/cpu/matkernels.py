@@ -15,7 +15,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from . import inttiles
-from .rowtiles import TILE_OUTPUTS, TILE_ROWS, _tiles, _widen
+from .rowtiles import TILE_OUTPUTS, TILE_ROWS, _put, _tiles, _widen
 from .blas import _gemm
 from .chunks import _claimed, _span
 from .dispatch import ROW_CHUNKS
@@ -79,14 +79,6 @@ def _dot_rows(w, x, b, out, accumulate, start, end):
         for k in range(K):
             s += _widen(row[k]) * x[0, k]
         _put(out, 0, v, s, b, accumulate)
-
-
-@njit(cache=True, nogil=True)
-def _put(out, r, v, s, b, accumulate):
-    """out[r, v] (+)= s (+ b[v]); b: (N,) or None."""
-    if b is not None:
-        s += b[v]
-    out[r, v] = out[r, v] + s if accumulate else s
 
 
 # Vocabulary rows per step of the head over several rows: a (HEAD_CHUNK, C) slice

@@ -161,7 +161,13 @@ def _tiles(w, x, b, out, accumulate, start, end, sums):
                     s = sums[r * TILE_OUTPUTS + n]
                     for k in range(Kv, K):  # the inputs past the last whole step
                         s += x[t0 + r, k] * _widen(w[v0 + n, k])
-                    if b is not None:
-                        s += b[v0 + n]
-                    out[t0 + r, v0 + n] = out[t0 + r, v0 + n] + s if accumulate else s
+                    _put(out, t0 + r, v0 + n, s, b, accumulate)
+
+
+@njit(cache=True, nogil=True)
+def _put(out, r, v, s, b, accumulate):
+    """out[r, v] (+)= s (+ b[v]); b: (N,) or None."""
+    if b is not None:
+        s += b[v]
+    out[r, v] = out[r, v] + s if accumulate else s
 

@@ -153,7 +153,7 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
                               storage(field, dtype) if field in MATRICES else np.float32)
               for field, shape in _field_shapes(config)}
     if dtype == "float32":  # the blocks' matrices kept [out, in] from the start (GPT2Weights)
-        arrays |= {field: np.swapaxes(np.empty(compact.to_rows(field, arrays[field]).shape, np.float32), -1, -2)
+        arrays |= {field: compact.from_rows(field, np.empty(compact.to_rows(field, arrays[field]).shape, np.float32))
                    for field in BLOCK_MATRICES}
     scales = {field: np.empty(compact.scale_shape(field, shape), np.float32)
               for field, shape in _field_shapes(config) if field in MATRICES} if dtype in INTEGER else None

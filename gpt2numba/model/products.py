@@ -34,7 +34,8 @@ def matmul(x, field, layer, b, out, accumulate, w, work, n_chunks):
     if w.scales:
         integer_matmul(x, matrix, w.scales[field][layer], b, out, accumulate, work, n_chunks)
         return
-    rows = compact.to_rows(field, matrix) if w.dtype == "float32" else matrix  # [out, in] as kept (float32's field: a view)
+    # [out, in] as kept (float32's field is a view [in, out] of it)
+    rows = compact.to_rows(field, matrix) if w.dtype == "float32" else matrix
     if T <= (BF16_ROWS_MAX if w.dtype == "bfloat16" else ROWS_MAX):  # few rows read the matrix itself
         _rows_product(rows, x, b, out, accumulate, n_chunks)
         return

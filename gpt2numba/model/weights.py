@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -89,7 +90,8 @@ class GPT2Weights:
                   for field, shape in _field_shapes(self.config)]
         for field, shape, dtype in arrays:
             stored = compact.stored_shape(field, shape, self.dtype) if field in MATRICES else shape
-            keep = _kept_as_rows if self.dtype == "float32" and field in BLOCK_MATRICES else np.ascontiguousarray
+            keep = functools.partial(_kept_as_rows, field) if self.dtype == "float32" and field in BLOCK_MATRICES \
+                else np.ascontiguousarray
             object.__setattr__(self, field, _checked(field, getattr(self, field), stored, dtype, keep))
         if self.scales is not None:
             scales = {field: _checked(f"scales[{field!r}]", self.scales.get(field),
@@ -152,9 +154,9 @@ def _checked(name, a, shape, dtype, keep=np.ascontiguousarray):
     return a
 
 
-def _kept_as_rows(a: np.ndarray) -> np.ndarray:
+def _kept_as_rows(field: str, a: np.ndarray) -> np.ndarray:
     """A float32 block matrix (L, in, out) as a view of the same values kept [out, in] (copied unless they are)."""
-    return np.swapaxes(np.ascontiguousarray(np.swapaxes(a, -1, -2)), -1, -2)
+    return compact.from_rows(field, np.ascontiguousarray(compact.to_rows(field, a)))
 
 
 def random_weights(config: GPT2Config, seed: int = 0, dtype: str = "float32") -> GPT2Weights:
