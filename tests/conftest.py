@@ -18,6 +18,9 @@ from hypothesis import HealthCheck, settings
 # Claims on CPUs off (pool._claim): in the suite, pytest-xdist's workers and the subprocesses the tests
 # start would each find the first one's claim and run unpinned; tests that claim set a directory of their own.
 os.environ.setdefault("GPT2NUMBA_CLAIM_DIR", "off")
+# The suite runs with dispatch's default thresholds, whatever `gpt2numba tune` measured on this machine
+# (reproducible bits); tests/test_tuning.py sets a file of its own where it needs one.
+os.environ["GPT2NUMBA_TUNING"] = "off"
 
 import gpt2numba as g  # noqa: E402
 import warm_kernels  # noqa: E402

@@ -1,4 +1,4 @@
-"""Command line: gpt2numba generate | check | score | serve | bench (also python -m gpt2numba). Every command's flags
+"""Command line: gpt2numba generate | check | score | serve | tune | bench (also python -m gpt2numba). Every command's flags
 are defined here; generate's work is in generate.py, bench's in the bench package."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import __version__
 from ..argtypes import in_range
+from ..cpu.tuning import TUNABLE
 from ..errors import ConfigError, GPT2NumbaError
 from ..model import forward
 from ..model.compact import DTYPES, INTEGER
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "threads", None):
             forward.set_threads(args.threads)
-        return {"generate": generate.run, "check": _check, "score": _score, "serve": _serve}[args.command](args)
+        return {"generate": generate.run, "check": _check, "score": _score, "serve": _serve,
+                "tune": _tune}[args.command](args)
     except (GPT2NumbaError, OSError) as e:
         print(f"gpt2numba: error: {e}", file=sys.stderr)
         return 1
@@ -173,6 +175,25 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "api_key":
             key.add_argument("--api-key-file", type=Path, metavar="PATH",
                              help="the same, the key read from a file (not visible in ps)")
+
+    tune = commands.add_parser(
+        "tune", help="measure this CPU's row thresholds and keep them for every later run here",
+        description="Measure, on this machine, from how many rows each format's products leave the few-rows "
+        "kernel for BLAS or the integer tiles, and write the thresholds to the tuning file (GPT2NUMBA_TUNING: "
+        "off, or a path; default ~/.cache/gpt2numba/tuning.json), which every later process on this CPU reads "
+        "at import. A minute or two; `gpt2numba check` says which values were measured.")
+    tune.add_argument("--threads", type=in_range(int, 1), help="threads to use (default: the cores)")
+    tune.add_argument("--repeat", type=in_range(int, 1), default=5,
+                      help="runs of each kernel at each row count (their median; default 5)")
+    tune.add_argument("--layers", type=in_range(int, 1, 12), default=4,
+                      help="layers of GPT-2 small's matrices a run multiplies, 1 to 12 (default 4: 113 MB in float32)")
+    tune.add_argument("--only", choices=list(TUNABLE), action="append", metavar="THRESHOLD",
+                      help=f"tune only this threshold (repeatable; one of {', '.join(TUNABLE)}); the others keep "
+                      "their current values")
+    tune.add_argument("--dry-run", action="store_true", help="measure and print, write nothing")
+    tune.add_argument("--idle-patience", type=in_range(float, 0), default=10.0, metavar="SECONDS",
+                      help="wait up to this long for a quiet machine before each row count (0: do not wait; "
+                      "default 10)")
 
     commands.add_parser("bench", help="the benchmark against transformers (gpt2numba bench --help)")
     return parser
@@ -344,6 +365,12 @@ def _finite(x: float):
     return x if math.isfinite(x) else None  # JSON has no nan
 
 
+def _tune(args) -> int:
+    from ..bench import tune
+
+    return tune.run(args)
+
+
 def _check(args) -> int:
     t0 = time.perf_counter()
     w, _, source = resolve_model(args.model, args.dtype)
@@ -375,10 +402,11 @@ def _check(args) -> int:
             steps.append(decode_step(ids[-1], w, mc))
             decode_s.append(time.perf_counter() - t)
         runs.append((ids, steps, prefill_s, decode_s))
-    from ..cpu import pool, threadlayer
+    from ..cpu import dispatch, pool, threadlayer
     print(f"parallel regions: {pool.describe()}")  # the threads, their pinning (settled by now), what failed of it
     if pool.enabled():  # (off, the regions' own line names the layer)
         print(f"beneath the pool: {threadlayer.describe()}")
+    print(f"row thresholds: {dispatch.describe_tuning()}")
     # the same prompts again as one batch: one prefill_batch, then decode_batch steps
     caches = [ModelCache(cfg, max_len=max_len, dtype=args.kv_dtype) for _ in prompts]
     t = time.perf_counter()

@@ -14,7 +14,9 @@ on the CPUs that matter (tests/test_dispatch.py holds choose() to this table):
     not x86                           64          64             64              4        generic vectors
 
 INT_ROWS_MAX is 10 on every one. Each number's measurement is one line beside it, in full in
-docs/performance.md, "Thresholds" (2 vCPUs, GPT-2 small's matrices).
+docs/performance.md, "Thresholds" (2 vCPUs, GPT-2 small's matrices). `gpt2numba tune` measures the row
+thresholds on the CPU it runs on and writes them to a file (tuning.py) that replaces this table's values
+here, at import; DEFAULTS keeps the table's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import platform
 from pathlib import Path
 from typing import NamedTuple
 
+from . import tuning
 
 GROUP = 32  # inputs per int8/int4 scale (model/compact.py); divides every GPT-2 width (768 ... 1600) and 4x it
 
@@ -94,7 +97,9 @@ def choose(features: frozenset[str] | None) -> Choices:
 
 FEATURES = x86_features()
 X86 = FEATURES is not None  # whether Numba compiles for an x86 CPU: x86 instructions may be named
-CHOICES = choose(FEATURES)
+DEFAULTS = choose(FEATURES)
+TUNING = tuning.load(tuning.key(cpu_name(), FEATURES))  # this CPU's measured thresholds, if tuned
+CHOICES = DEFAULTS._replace(**TUNING.values)
 F16C = CHOICES.f16c
 MADD_WIDTH = CHOICES.madd_width
 BYTE_MADD = CHOICES.byte_madd
@@ -105,6 +110,20 @@ BF16_ROWS_MAX = CHOICES.bf16_rows_max
 HEAD_ROWS_MAX = CHOICES.head_rows_max
 INT_ROWS_MAX = CHOICES.int_rows_max
 INT4_ROWS_MAX = CHOICES.int4_rows_max
+
+
+
+def describe_tuning() -> str:
+    """Which row thresholds this process uses, and where each came from: for `gpt2numba check`."""
+    values = ", ".join(f"{name} {getattr(CHOICES, name)}" + (
+        f" (measured; default {getattr(DEFAULTS, name)})" if name in TUNING.values else " (default)")
+        for name in tuning.TUNABLE)
+    if TUNING.path is None:
+        return f"{values}: GPT2NUMBA_TUNING=off"
+    if not TUNING.values:
+        return f"{values}: no tuning for this CPU in {TUNING.path} (`gpt2numba tune` measures them)"
+    return f"{values}: measured by `gpt2numba tune` on {TUNING.entry.get('written', '?')}, from {TUNING.path}"
+
 
 # --- the same on every CPU -------------------------------------------------------------------------------
 

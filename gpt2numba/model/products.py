@@ -4,7 +4,7 @@ buffers a pass works in (kept per thread and weights, only ever grown).
 Every product reads its matrix as stored, [out, in]: float32 as is and bfloat16 widened in registers for a
 few rows (matkernels, rowtiles), or through BLAS for many (bfloat16 widened once into a dense buffer); int8 and
 int4 in integers (intkernels for a few rows, inttiles' tiles for more), the inputs rounded to int8
-per group. The thresholds between them are dispatch.py's.
+per group. The thresholds between them are dispatch.py's, read at every call (a tuning's, if any).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import numba
 import numpy as np
 
 from ..cpu import dispatch, inttiles
-from ..cpu.dispatch import BF16_ROWS_MAX, HEAD_ROWS_MAX, INT4_ROWS_MAX, INT_ROWS_MAX, ROWS_MAX
 from ..cpu.intkernels import _int_matmul
 from ..cpu.kernels import attend_width
 from ..cpu.matkernels import _expand_bf16, _head, _linear, _rows_product
@@ -29,50 +28,68 @@ from .weights import GPT2Weights
 
 def matmul(x, field, layer, b, out, accumulate, w, work, n_chunks):
     """out (+)= x @ (layer's matrix ``field``) + b, whatever the matrix's storage."""
-    T = x.shape[0]
     matrix = getattr(w, field)[layer]
-    if w.scales:
-        integer_matmul(x, matrix, w.scales[field][layer], b, out, accumulate, work, n_chunks)
-        return
-    # [out, in] as kept (float32's field is a view [in, out] of it)
-    rows = compact.to_rows(field, matrix) if w.dtype == "float32" else matrix
-    if T <= (BF16_ROWS_MAX if w.dtype == "bfloat16" else ROWS_MAX):  # few rows read the matrix itself
-        _rows_product(rows, x, b, out, accumulate, n_chunks)
-        return
-    if w.dtype == "bfloat16":  # many rows: widen the matrix once
-        dense = work.dense(rows.shape)
-        _expand_bf16(rows, dense)
-        rows = dense
-    # BLAS reads the matrix transposed, a span of x's rows a thread (a GEMM is fastest as large as it can be:
-    # at 512 rows, 2 of 256 rows took 59 ms where 8 of 64 took 79)
-    _linear(x, rows, b, work.scratch(T), out, accumulate, n_chunks // dispatch.CHUNKS_PER_THREAD)
+    if w.dtype == "float32":
+        matrix = compact.to_rows(field, matrix)  # [out, in] as kept (float32's field is a view [in, out] of it)
+    scale = w.scales[field][layer] if w.scales else None
+    product(x, matrix, scale, b, out, accumulate, work, n_chunks, few=x.shape[0] <= rows_max(w.dtype))
 
 
-def integer_matmul(x, q, scale, b, out, accumulate, work, n_chunks):
-    """out (+)= x @ W.T (+ b) for an int8 or int4 matrix W [out, in], its input rounded to int8 per group.
+def rows_max(dtype: str) -> int:
+    """Rows up to which a product with a block matrix of weights ``dtype`` takes the few-rows kernel."""
+    return {"float32": dispatch.ROWS_MAX, "bfloat16": dispatch.BF16_ROWS_MAX,
+            "int8": dispatch.INT_ROWS_MAX, "int4": dispatch.INT4_ROWS_MAX}[dtype]
 
-    W is read as stored, in integers: a few rows one dot product at a time (_int_matmul; up
-    to INT_ROWS_MAX, INT4_ROWS_MAX for int4), more in tiles of rows and outputs (inttiles).
+
+def product(x, matrix, scale, b, out, accumulate, work, n_chunks, few: bool):
+    """out (+)= x @ matrix.T (+ b) for a matrix [out, in] as stored (its scales for int8 and int4; else None),
+    by the kernel for a few rows or the one for many (the choice matmul makes from rows_max; gpt2numba tune
+    times both).
+
+    A few rows read the matrix itself: float32 as is and bfloat16 widened in registers (_rows_product), the
+    integer formats one dot product at a time (_int_matmul). Many rows: bfloat16 widened once, then BLAS;
+    the integer formats in tiles of rows and outputs (inttiles). The integers' inputs are rounded to int8 per
+    group either way.
     """
     T, K = x.shape
-    if T <= (INT4_ROWS_MAX if q.dtype.char == "B" else INT_ROWS_MAX):  # (uint8: int4)
-        xq, xs = work.quantized(T, K)
-        _int_matmul(x, xq, xs, q, scale, b, out, accumulate, n_chunks)
-    else:
-        inttiles._tiles_matmul(x, *work.widened(T, K), q, scale, b, out, accumulate, n_chunks)
+    if scale is not None:
+        if few:
+            xq, xs = work.quantized(T, K)
+            _int_matmul(x, xq, xs, matrix, scale, b, out, accumulate, n_chunks)
+        else:
+            inttiles._tiles_matmul(x, *work.widened(T, K), matrix, scale, b, out, accumulate, n_chunks)
+        return
+    if few:
+        _rows_product(matrix, x, b, out, accumulate, n_chunks)
+        return
+    if matrix.dtype != np.float32:  # bfloat16: widen the matrix once
+        dense = work.dense(matrix.shape)
+        _expand_bf16(matrix, dense)
+        matrix = dense
+    # BLAS reads the matrix transposed, a span of x's rows a thread (a GEMM is fastest as large as it can be:
+    # at 512 rows, 2 of 256 rows took 59 ms where 8 of 64 took 79)
+    _linear(x, matrix, b, work.scratch(T), out, accumulate, n_chunks // dispatch.CHUNKS_PER_THREAD)
 
 
 def head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, n_chunks: int) -> None:
     """logits = h @ wte.T, by the kernel that suits wte's format and the rows. The integer
-    formats multiply in integers, as integer_matmul."""
+    formats multiply in integers, as the block matrices (product)."""
     R, C = h.shape
     if w.scales:
         work = workspace(w, R, numba.get_num_threads())
-        integer_matmul(h, w.wte, w.scales["wte"], None, logits, False, work, n_chunks)
-    elif R <= HEAD_ROWS_MAX:
-        _rows_product(w.wte, h, None, logits, False, n_chunks)
+        fmt = compact.format_of("wte", w.dtype)
+        product(h, w.wte, w.scales["wte"], None, logits, False, work, n_chunks, few=R <= rows_max(fmt))
     else:
-        _head(w.wte, h, logits, n_chunks)
+        head(w.wte, h, logits, n_chunks, few=R <= dispatch.HEAD_ROWS_MAX)
+
+
+def head(wte, h, logits, n_chunks, few: bool) -> None:
+    """logits = h @ wte.T for wte float32 or bfloat16: the few-rows kernel, or _head's (BLAS, a span of the
+    vocabulary a chunk)."""
+    if few:
+        _rows_product(wte, h, None, logits, False, n_chunks)
+    else:
+        _head(wte, h, logits, n_chunks)
 
 
 def head_inputs(w: GPT2Weights, h: np.ndarray):
