@@ -29,32 +29,8 @@ from pathlib import Path
 import numpy as np
 
 import gpt2numba as g
-from gpt2numba.model import compact, forward
-
-
-MATRIX_KINDS = {"c_attn_w": "qkv (c_attn)", "attn_c_proj_w": "attn c_proj",
-                "c_fc_w": "mlp c_fc", "mlp_c_proj_w": "mlp c_proj"}
-
-
-def instrument(totals):
-    """Replace forward's kernels with timed wrappers; return a function that undoes it."""
-    kinds = {"_layernorm": lambda *a, **k: "layernorm", "_write_kv": lambda *a, **k: "cache write",
-             "_attend": lambda *a, **k: "attention", "_gelu": lambda *a, **k: "gelu",
-             "head_logits": lambda *a, **k: "head (wte)",
-             "matmul": lambda x, field, *a, **k: MATRIX_KINDS[field]}
-    saved = {name: getattr(forward, name) for name in kinds}
-
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            t = time.perf_counter()
-            out = fn(*args, **kwargs)
-            totals[kinds[name](*args, **kwargs)] += time.perf_counter() - t
-            return out
-        return wrapper
-
-    for name, fn in saved.items():
-        setattr(forward, name, timed(name, fn))
-    return lambda: [setattr(forward, name, fn) for name, fn in saved.items()]
+from gpt2numba.bench.kernels import instrument
+from gpt2numba.model import compact
 
 
 def thread_stats() -> np.ndarray:

@@ -68,10 +68,22 @@ def test_bench_floor(tmp_path):
     weight = {row["dtype"]: row["weight_bytes"] for row in f["formats"]}
     assert weight["float32"] == w.nbytes - w.wpe.nbytes + w.wpe[0].nbytes  # every weight but wpe's other rows
     assert weight["float32"] > weight["bfloat16"] > weight["int8"] > weight["int4"]
-    lines = [line.split() for line in r.stdout.splitlines()]
+    # per kernel: every byte of a step but the layer norms' and wpe's row is some kernel's
+    norms = sum(getattr(w, name).nbytes for name in ("ln_1_g", "ln_1_b", "ln_2_g", "ln_2_b", "ln_f_g", "ln_f_b"))
+    for row in f["formats"]:
+        kernels = row["kernels"]
+        assert set(kernels) == {"qkv (c_attn)", "attn c_proj", "mlp c_fc", "mlp c_proj", "head (wte)", "attention"}
+        assert kernels["attention"]["bytes"] == row["kv_bytes"]
+        assert sum(k["bytes"] for k in kernels.values()) == row["bytes"] - norms - w.wpe[0].nbytes
+        assert all(k["measured_ms"] > 0 and k["ratio"] == pytest.approx(k["measured_ms"] / k["floor_ms"])
+                   for k in kernels.values())
+        assert {"layernorm", "gelu", "cache write"} <= set(row["other_kernels_ms"])
+    steps, per_kernel = r.stdout.split("per kernel:")
+    lines = [line.split() for line in steps.splitlines()]
     table = [line for line in lines if line[:1] and line[0] in ("float32", "bfloat16", "int8", "int4")]
     assert [line[0] for line in table] == ["float32", "bfloat16", "int8", "int4"]
     assert all(float(line[4].rstrip("x")) > 0 for line in table) and "GB/s" in r.stdout
+    assert per_kernel.count("mlp c_fc") == 4 and per_kernel.count("no floor of their own") == 4
 
 
 @pytest.mark.timeout(1200)  # (its subprocess may take up to 900 s)

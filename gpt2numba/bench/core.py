@@ -6,6 +6,7 @@ module and none of the others' private names.
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import os
 import subprocess
@@ -128,6 +129,22 @@ class Ours:
 
     def threads(self):
         return self.g.get_threads()
+
+    def decode_kernels(self, job):
+        """Prefill ``ids`` (untimed), then ``steps`` greedy decode steps with every kernel timed (kernels.py):
+        {kind: seconds per step}. job: (ids, steps)."""
+        from .kernels import instrument
+
+        ids, steps = job
+        token = int(self.prefill(ids).argmax())
+        totals = collections.defaultdict(float)
+        undo = instrument(totals)
+        try:
+            for _ in range(steps):
+                token = int(self.decode(token).argmax())
+        finally:
+            undo()
+        return {kind: seconds / steps for kind, seconds in totals.items()}
 
     def threads_run_on(self, arg) -> str:
         """Where the worker's parallel regions run (pool.describe()), after the passes it ran."""

@@ -7,6 +7,10 @@ time; no kernel can step faster. The section measures the bandwidth, then, per f
 own worker process and in turns (A B C D A B ...), --floor-repeat runs of a prefill of --floor-context tokens
 and --floor-steps greedy decode steps after it; a run's figure is its mean step (the prefill untimed), the
 table's the median of the runs. The K/V rows counted are the runs' mean: a step at position p reads p + 1.
+
+Then per kernel: the same steps again in runs of their own, a timer around every kernel a pass calls
+(kernels.py), and each kind's bytes (its matrices over the layers, the head's wte, attention's K and V rows)
+at the same read rate: the kernel whose /floor stands out is the one off its floor on this CPU.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..argtypes import COUNT
+from .kernels import decode_bytes
 from .core import Load, Remote, gpt2numba_system, percent, progress, read_bandwidth, wait_for_idle
 
 
@@ -40,15 +45,23 @@ def run(args, model_dir, w) -> dict:
         bandwidth = read_bandwidth(args.bandwidth_mib)
     kv_rows = args.floor_context + (args.floor_steps + 1) / 2  # mean over the steps: p + 1 rows at position p
     kv_bytes = kv_rows * g.ModelCache(cfg, max_len=1).position_bytes
-    weight_bytes = {dtype: _weight_bytes(w.astype(dtype)) for dtype in args.dtypes}  # one format at a time
-    seconds, others = _measure(model_dir, cfg, args)
+    weight_bytes, kind_bytes = {}, {}
+    for dtype in args.dtypes:  # one format at a time
+        wd = w.astype(dtype)
+        weight_bytes[dtype], kind_bytes[dtype] = _weight_bytes(wd), decode_bytes(wd, kv_bytes)
+    seconds, kernel_seconds, others = _measure(model_dir, cfg, args)
     rows = []
     for dtype in args.dtypes:
         total = weight_bytes[dtype] + kv_bytes
         floor_ms, measured_ms = 1e3 * total / bandwidth, 1e3 * float(np.median(seconds[dtype]))
+        kernels = {kind: float(np.median([run.get(kind, 0.0) for run in kernel_seconds[dtype]]))
+                   for kind in kernel_seconds[dtype][0]}
+        per_kernel = {kind: {"bytes": b, "floor_ms": 1e3 * b / bandwidth, "measured_ms": 1e3 * kernels[kind],
+                             "ratio": kernels[kind] * bandwidth / b} for kind, b in kind_bytes[dtype].items()}
         rows.append({"dtype": dtype, "weight_bytes": weight_bytes[dtype], "kv_bytes": kv_bytes, "bytes": total,
                      "floor_ms": floor_ms, "measured_ms": measured_ms, "ratio": measured_ms / floor_ms,
-                     "runs_ms": [1e3 * s for s in seconds[dtype]]})
+                     "runs_ms": [1e3 * s for s in seconds[dtype]], "kernels": per_kernel,
+                     "other_kernels_ms": {k: 1e3 * v for k, v in kernels.items() if k not in per_kernel}})
     return {"floor": {"read_gb_s": bandwidth / 1e9, "context": args.floor_context, "steps": args.floor_steps,
                       "repeat": args.floor_repeat, "others_cpu": others,
                       "others_cpu_bandwidth": bandwidth_load.share, "formats": rows}}
@@ -60,23 +73,26 @@ def _weight_bytes(wd) -> int:
 
 
 def _measure(model_dir, cfg, args):
-    """({dtype: [seconds per step of each run]}, the CPU share other processes took during the timed runs)."""
+    """({dtype: [seconds per step of each run]}, {dtype: [{kernel kind: seconds per step} of each run]}, the CPU
+    share other processes took during the timed runs)."""
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, args.floor_context)
     job = (ids, args.floor_steps)
     systems = {dtype: Remote(gpt2numba_system, dtype, model_dir, args.threads) for dtype in args.dtypes}
     try:
         for s in systems.values():  # warm-up: compiled, weights paged in
             s.call("decode_steps", job)
-        seconds = {dtype: [] for dtype in systems}
+        seconds, kernels = {dtype: [] for dtype in systems}, {dtype: [] for dtype in systems}
         wait_for_idle()
         with Load(*(s.process.pid for s in systems.values())) as load:
             for _ in progress(range(args.floor_repeat), "floor"):
                 for dtype, s in systems.items():
                     seconds[dtype].append(s.call("decode_steps", job)[1])  # (its mean step: the prefill untimed)
+                for dtype, s in systems.items():  # the timers apart, so that the steps above run without them
+                    kernels[dtype].append(s.call("decode_kernels", job)[1])
     finally:
         for s in systems.values():
             s.close()
-    return seconds, load.share
+    return seconds, kernels, load.share
 
 
 def print_report(r):
@@ -92,3 +108,12 @@ def print_report(r):
               f"{row['ratio']:>6.2f}x {min(runs):>7.2f}-{max(runs):<7.2f}")
     print(f"(the K/V rows: {f['formats'][0]['kv_bytes'] / 1e6:.1f} MB of each step; other processes took "
           f"{percent(f['others_cpu'])} of the CPU meanwhile)")
+    print("\nper kernel: a timer around each kernel of the steps, in runs of their own (medians); floor = the bytes "
+          "that kind reads a step / the read rate")
+    print(f"{'format':<10} {'kernel':<14} {'MB/step':>8} {'floor ms':>9} {'measured ms':>12} {'/floor':>7}")
+    for row in f["formats"]:
+        for n, (kind, k) in enumerate(sorted(row["kernels"].items(), key=lambda kv: -kv[1]["ratio"])):
+            print(f"{row['dtype'] if n == 0 else '':<10} {kind:<14} {k['bytes'] / 1e6:>8.1f} {k['floor_ms']:>9.2f} "
+                  f"{k['measured_ms']:>12.2f} {k['ratio']:>6.2f}x")
+        rest = ", ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(row["other_kernels_ms"].items()))
+        print(f"{'':<10} (no floor of their own, ms: {rest})")

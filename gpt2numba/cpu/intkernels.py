@@ -147,8 +147,8 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
             and is_row(xs, types.float32) and is_row(xc, types.int32)):
         return None
     packed = w.dtype == types.uint8
-    nibbles_vnni = packed and _NIBBLE_DPBUSD is not None
-    as_stored = packed and _NIBBLES_AS_STORED
+    vnni = _NIBBLE_DPBUSD is not None
+    as_stored = _NIBBLES_AS_STORED if packed else vnni  # int8 with VNNI: its bytes + 128, unsigned
 
     def codegen(context, builder, sig, args):
         wa, wsa, xa, xsa, xca = (context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args, args))
@@ -179,11 +179,13 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
                 wv = builder.shuffle_vector(low, high, ir.Constant(vec(i32, n), order))
             else:
                 wv = load(wa.data, at, vec(i8, n))
+                if as_stored:  # w + 128 as unsigned bytes (flipping the sign bit), for vpdpbusd
+                    wv = builder.xor(wv, const(i8, n, -128))
             if as_stored:
                 quads = vec(i32, per * lanes_n)
                 start = load(xca.data, builder.mul(g, ir.Constant(i64, lanes_n)), quads)
                 sums = (_llvm(builder, _NIBBLE_DPBUSD[per], quads, start, builder.bitcast(wv, quads), builder.bitcast(xv, quads))
-                        if nibbles_vnni else builder.add(start, _madd_bytes(builder, wv, xv)))
+                        if vnni else builder.add(start, _madd_bytes(builder, wv, xv)))
             else:
                 if packed:
                     wv = builder.sub(wv, const(i8, n, 8))
@@ -222,7 +224,7 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
         groups = builder.extract_value(wsa.shape, 0)
         # groups a step: two, in one 512-bit vpdpbusd, or with AVX2 in two 256-bit sums, each its own chain of
         # additions (one chain made every group wait for the last one's)
-        per = 2 if (2 in _NIBBLE_DPBUSD if nibbles_vnni else BYTE_MADD) else 1
+        per = 2 if (2 in _NIBBLE_DPBUSD if vnni and as_stored else BYTE_MADD) else 1
         zero = ir.Constant(i64, 0)
         lanes = steps(zero, builder.sdiv(groups, ir.Constant(i64, per)), per, const(f32, per * lanes_n, 0.0))
         if per == 2:  # and the last group if their count is odd
@@ -236,23 +238,25 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
 
 
 def _nibble_starts(xq, w):
-    """xc (T, K // 4) int32: -8 times the sums of each row's fours of inputs, where _dot_row starts the sums
-    of int4's nibbles (w + 8) by x with VNNI, so that they come out as the sums of w by x; (T, 0) where
-    _dot_row does not read it."""
+    """xc (T, K // 4) int32: -8 (int4) or -128 (int8) times the sums of each row's fours of inputs, where
+    _dot_row starts the sums of the weights as unsigned bytes (int4's nibbles w + 8, int8's w + 128) by x with
+    VNNI, so that they come out as the sums of w by x; (T, 0) where _dot_row does not read it."""
 
 
 @overload(_nibble_starts, inline="always")
 def _nibble_starts_typed(xq, w):
-    if not (w.dtype == types.uint8 and _NIBBLES_AS_STORED):
+    packed = w.dtype == types.uint8
+    if not (_NIBBLES_AS_STORED if packed else _NIBBLE_DPBUSD is not None):
         return lambda xq, w: np.empty((xq.shape[0], 0), np.int32)
+    offset = np.int32(-8 if packed else -128)
 
     def starts(xq, w):
         T, K = xq.shape
         xc = np.empty((T, K // 4), np.int32)
         for t in range(T):
             for j in range(K // 4):
-                xc[t, j] = -8 * (np.int32(xq[t, 4 * j]) + np.int32(xq[t, 4 * j + 1]) + np.int32(xq[t, 4 * j + 2])
-                                 + np.int32(xq[t, 4 * j + 3]))
+                xc[t, j] = offset * (np.int32(xq[t, 4 * j]) + np.int32(xq[t, 4 * j + 1])
+                                     + np.int32(xq[t, 4 * j + 2]) + np.int32(xq[t, 4 * j + 3]))
         return xc
     return starts
 
