@@ -123,6 +123,10 @@ _NIBBLE_DPBUSD = {bits // 256: f"llvm.x86.avx512.vpdpbusd.{bits}" for bits in NI
 _NIBBLES_AS_STORED = _NIBBLE_DPBUSD is not None or BYTE_MADD
 
 
+def _is_rows(a, ndim, *dtypes):
+    return isinstance(a, types.Array) and a.dtype in dtypes and a.ndim == ndim and a.layout == "C"
+
+
 @intrinsic
 def _dot_row(typingctx, w, ws, x, xs, xc):
     """One integer row's dot product with one quantised input row, as float32:
@@ -131,110 +135,158 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
     w: 1-D int8 (K,) or uint8 packed int4 (K // 2,: byte j of a group holds w_j + 8 in
     its low nibble, w_{j+GROUP/2} + 8 in its high one); ws: float32 (K // GROUP,), w's
     scales; x: int8 (K,) in [-127, 127]; xs: float32 (K // GROUP,); xc: int32 (K // 4,), x's
-    sums of four times -8 (_nibble_starts). Written as LLVM vector IR: per group, the
-    8-bit operands are multiplied and summed in fours (_madd_signed_bytes, with AVX2), or
-    in pairs once sign-extended (_madd_pairs: pmaddwd on x86); int4 with VNNI or AVX2
-    multiplies its nibbles as they are, unsigned (w_j + 8), by x (vpdpbusd, or _madd_bytes),
-    into sums that start at xc, which takes the 8 off. The int32 sums are converted to float
-    and scaled into vector accumulators, a group's lanes or (AVX2, AVX-512 VNNI) two groups';
-    lanes are summed once per row.
+    sums of four times -8 or -128 (_nibble_starts). Written as LLVM vector IR (_dot_sums).
     Unchecked: K is a multiple of GROUP, at least GROUP.
     """
-    def is_row(a, *dtypes):
-        return isinstance(a, types.Array) and a.dtype in dtypes and a.ndim == 1 and a.layout == "C"
-
-    if not (is_row(w, types.int8, types.uint8) and is_row(x, types.int8) and is_row(ws, types.float32)
-            and is_row(xs, types.float32) and is_row(xc, types.int32)):
+    if not (_is_rows(w, 1, types.int8, types.uint8) and _is_rows(x, 1, types.int8)
+            and _is_rows(ws, 1, types.float32) and _is_rows(xs, 1, types.float32) and _is_rows(xc, 1, types.int32)):
         return None
-    packed = w.dtype == types.uint8
-    vnni = _NIBBLE_DPBUSD is not None
-    as_stored = _NIBBLES_AS_STORED if packed else vnni  # int8 with VNNI: its bytes + 128, unsigned
 
     def codegen(context, builder, sig, args):
         wa, wsa, xa, xsa, xca = (context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args, args))
-        i8, i16, i32, f32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType(), ir.IntType(64)
-        half = _HALF_GROUP
-        lanes_n = _GROUP // 4 if BYTE_MADD or as_stored else half  # int32 sums of a group
-
-        def vec(ty, n):
-            return ir.VectorType(ty, n)
-
-        def load(ptr, at, ty):
-            return builder.load(builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=1)
-
-        def const(ty, n, value):
-            return ir.Constant(vec(ty, n), [value] * n)
-
-        def groups_at(g, per):
-            """The scaled sums of groups g .. g + per - 1, as float32 <per * lanes_n>."""
-            n = per * _GROUP
-            xv = load(xa.data, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, n))
-            at = builder.mul(g, ir.Constant(i64, half if packed else _GROUP))  # the groups' first byte
-            _prefetch(builder, builder.gep(wa.data, [builder.add(at, ir.Constant(i64, PREFETCH_BYTES))]))
-            if packed:  # each group's low nibbles, then its high ones
-                raw = load(wa.data, at, vec(i8, n // 2))
-                low, high = builder.and_(raw, const(i8, n // 2, 15)), builder.lshr(raw, const(i8, n // 2, 4))
-                order = [k + j + (n // 2 if j >= half else 0) - (half if j >= half else 0)
-                         for k in range(0, n // 2, half) for j in range(_GROUP)]
-                wv = builder.shuffle_vector(low, high, ir.Constant(vec(i32, n), order))
-            else:
-                wv = load(wa.data, at, vec(i8, n))
-                if as_stored:  # w + 128 as unsigned bytes (flipping the sign bit), for vpdpbusd
-                    wv = builder.xor(wv, const(i8, n, -128))
-            if as_stored:
-                quads = vec(i32, per * lanes_n)
-                start = load(xca.data, builder.mul(g, ir.Constant(i64, lanes_n)), quads)
-                sums = (_llvm(builder, _NIBBLE_DPBUSD[per], quads, start, builder.bitcast(wv, quads), builder.bitcast(xv, quads))
-                        if vnni else builder.add(start, _madd_bytes(builder, wv, xv)))
-            else:
-                if packed:
-                    wv = builder.sub(wv, const(i8, n, 8))
-                sums = (_madd_signed_bytes(builder, wv, xv) if BYTE_MADD
-                        else _madd_pairs(builder, builder.sext(wv, vec(i16, n)), builder.sext(xv, vec(i16, n))))
-            scales = builder.fmul(load(wsa.data, g, vec(f32, per)), load(xsa.data, g, vec(f32, per)))
-            splat = builder.shuffle_vector(scales, scales, ir.Constant(vec(i32, per * lanes_n),
-                                                                       [k for k in range(per) for _ in range(lanes_n)]))
-            return builder.fmul(builder.sitofp(sums, vec(f32, per * lanes_n)), splat, flags=("contract",))
-
-        def steps(first, count, per, acc):
-            """acc + the scaled sums of groups first .. first + per * count - 1, per groups a step."""
-            before = builder.block
-            loop, after = builder.append_basic_block("dot_row"), builder.append_basic_block("dot_row_done")
-            builder.cbranch(builder.icmp_signed(">", count, ir.Constant(i64, 0)), loop, after)
-            builder.position_at_end(loop)
-            i, a = builder.phi(i64), builder.phi(acc.type)
-            i.add_incoming(ir.Constant(i64, 0), before)
-            a.add_incoming(acc, before)
-            g = builder.add(first, builder.mul(i, ir.Constant(i64, per)))
-            step = builder.fadd(a, groups_at(g, per), flags=("contract",))
-            nxt = builder.add(i, ir.Constant(i64, 1))
-            i.add_incoming(nxt, loop)
-            a.add_incoming(step, loop)
-            builder.cbranch(builder.icmp_signed("<", nxt, count), loop, after)
-            builder.position_at_end(after)
-            out = builder.phi(acc.type)
-            out.add_incoming(acc, before)
-            out.add_incoming(step, loop)
-            return out
-
-        def halved(v):
-            n = v.type.count // 2
-            return builder.fadd(_lanes(builder, v, range(n)), _lanes(builder, v, range(n, 2 * n)))
-
-        groups = builder.extract_value(wsa.shape, 0)
-        # groups a step: two, in one 512-bit vpdpbusd, or with AVX2 in two 256-bit sums, each its own chain of
-        # additions (one chain made every group wait for the last one's)
-        per = 2 if (2 in _NIBBLE_DPBUSD if vnni and as_stored else BYTE_MADD) else 1
-        zero = ir.Constant(i64, 0)
-        lanes = steps(zero, builder.sdiv(groups, ir.Constant(i64, per)), per, const(f32, per * lanes_n, 0.0))
-        if per == 2:  # and the last group if their count is odd
-            lanes = steps(builder.sub(groups, ir.Constant(i64, 1)), builder.srem(groups, ir.Constant(i64, 2)), 1,
-                          halved(lanes))
-        while lanes.type.count > 1:  # halve the lanes until one is left
-            lanes = halved(lanes)
-        return builder.extract_element(lanes, ir.Constant(i32, 0))
+        return _dot_sums(builder, wa, wsa, [(xa.data, xsa.data, xca.data)], w.dtype == types.uint8)[0]
 
     return types.float32(w, ws, x, xs, xc), codegen
+
+
+DOT_ROWS = 4  # input rows _dot_rows multiplies by one integer row at once
+
+
+@intrinsic
+def _dot_rows(typingctx, w, ws, x, xs, xc, t):
+    """_dot_row of the integer row w with the DOT_ROWS input rows t, t + 1, ... of x: int8 (T, K), xs: (T, K // GROUP),
+    xc: (T, K // 4) or (T, 0); a tuple of DOT_ROWS float32, each the bits _dot_row gives for its row alone. The
+    weights are loaded (int4's nibbles unpacked) once for all the rows, and each row's sums are a chain of their
+    own. Unchecked: t + DOT_ROWS <= T."""
+    if not (_is_rows(w, 1, types.int8, types.uint8) and _is_rows(x, 2, types.int8)
+            and _is_rows(ws, 1, types.float32) and _is_rows(xs, 2, types.float32) and _is_rows(xc, 2, types.int32)
+            and isinstance(t, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        wa, wsa, xa, xsa, xca = (context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args[:5], args[:5]))
+        i64 = ir.IntType(64)
+        t0 = context.cast(builder, args[5], sig.args[5], types.int64)
+        rows = []
+        for i in range(DOT_ROWS):
+            row = builder.add(t0, ir.Constant(i64, i))
+            rows.append(tuple(builder.gep(a.data, [builder.mul(row, builder.extract_value(a.shape, 1))])
+                              for a in (xa, xsa, xca)))
+        sums = _dot_sums(builder, wa, wsa, rows, w.dtype == types.uint8)
+        return context.make_tuple(builder, sig.return_type, sums)
+
+    return types.UniTuple(types.float32, DOT_ROWS)(w, ws, x, xs, xc, t), codegen
+
+
+def _dot_sums(builder, wa, wsa, rows, packed):
+    """The dot products of the integer row (wa: w, wsa: its scales) with each input row in ``rows`` (pointers
+    to its int8 values, its scales, its sums of fours xc), as float32 scalars.
+
+    Per group, the 8-bit operands are multiplied and summed in fours (_madd_signed_bytes, with AVX2), or
+    in pairs once sign-extended (_madd_pairs: pmaddwd on x86); with VNNI (vpdpbusd) the weights are
+    multiplied as unsigned bytes, int4's nibbles as stored (w + 8) and int8's bytes + 128, into sums that
+    start at xc, which takes the 8 or 128 off (int4 with AVX2 alike, by _madd_bytes). The int32 sums are
+    converted to float and scaled into vector accumulators, a group's lanes or (AVX2, VNNI) two groups';
+    lanes are summed once per row.
+    """
+    vnni = _NIBBLE_DPBUSD is not None
+    as_stored = _NIBBLES_AS_STORED if packed else vnni  # int8 with VNNI: its bytes + 128, unsigned
+    i8, i16, i32, f32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType(), ir.IntType(64)
+    half = _HALF_GROUP
+    lanes_n = _GROUP // 4 if BYTE_MADD or as_stored else half  # int32 sums of a group
+
+    def vec(ty, n):
+        return ir.VectorType(ty, n)
+
+    def load(ptr, at, ty):
+        return builder.load(builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer()), align=1)
+
+    def const(ty, n, value):
+        return ir.Constant(vec(ty, n), [value] * n)
+
+    def groups_at(g, per):
+        """The scaled sums of groups g .. g + per - 1 of every row, as float32 <per * lanes_n> each."""
+        n = per * _GROUP
+        at = builder.mul(g, ir.Constant(i64, half if packed else _GROUP))  # the groups' first byte
+        _prefetch(builder, builder.gep(wa.data, [builder.add(at, ir.Constant(i64, PREFETCH_BYTES))]))
+        if packed:  # each group's low nibbles, then its high ones
+            raw = load(wa.data, at, vec(i8, n // 2))
+            low, high = builder.and_(raw, const(i8, n // 2, 15)), builder.lshr(raw, const(i8, n // 2, 4))
+            order = [k + j + (n // 2 if j >= half else 0) - (half if j >= half else 0)
+                     for k in range(0, n // 2, half) for j in range(_GROUP)]
+            wv = builder.shuffle_vector(low, high, ir.Constant(vec(i32, n), order))
+        else:
+            wv = load(wa.data, at, vec(i8, n))
+            if as_stored:  # w + 128 as unsigned bytes (flipping the sign bit), for vpdpbusd
+                wv = builder.xor(wv, const(i8, n, -128))
+        if packed and not as_stored:
+            wv = builder.sub(wv, const(i8, n, 8))
+        wide = None if as_stored or BYTE_MADD else builder.sext(wv, vec(i16, n))
+        wscale = load(wsa.data, g, vec(f32, per))
+        out = []
+        for x, xs, xc in rows:
+            xv = load(x, builder.mul(g, ir.Constant(i64, _GROUP)), vec(i8, n))
+            if as_stored:
+                quads = vec(i32, per * lanes_n)
+                start = load(xc, builder.mul(g, ir.Constant(i64, lanes_n)), quads)
+                sums = (_llvm(builder, _NIBBLE_DPBUSD[per], quads, start, builder.bitcast(wv, quads),
+                              builder.bitcast(xv, quads))
+                        if vnni else builder.add(start, _madd_bytes(builder, wv, xv)))
+            else:
+                sums = (_madd_signed_bytes(builder, wv, xv) if BYTE_MADD
+                        else _madd_pairs(builder, wide, builder.sext(xv, vec(i16, n))))
+            scales = builder.fmul(wscale, load(xs, g, vec(f32, per)))
+            splat = builder.shuffle_vector(scales, scales, ir.Constant(vec(i32, per * lanes_n),
+                                                                       [k for k in range(per) for _ in range(lanes_n)]))
+            out.append(builder.fmul(builder.sitofp(sums, vec(f32, per * lanes_n)), splat, flags=("contract",)))
+        return out
+
+    def steps(first, count, per, accs):
+        """accs + the scaled sums of groups first .. first + per * count - 1, per groups a step."""
+        before = builder.block
+        loop, after = builder.append_basic_block("dot_row"), builder.append_basic_block("dot_row_done")
+        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(i64, 0)), loop, after)
+        builder.position_at_end(loop)
+        i = builder.phi(i64)
+        i.add_incoming(ir.Constant(i64, 0), before)
+        phis = []
+        for acc in accs:
+            phis.append(builder.phi(acc.type))
+            phis[-1].add_incoming(acc, before)
+        g = builder.add(first, builder.mul(i, ir.Constant(i64, per)))
+        stepped = [builder.fadd(a, s, flags=("contract",)) for a, s in zip(phis, groups_at(g, per))]
+        nxt = builder.add(i, ir.Constant(i64, 1))
+        i.add_incoming(nxt, loop)
+        for a, step in zip(phis, stepped):
+            a.add_incoming(step, loop)
+        builder.cbranch(builder.icmp_signed("<", nxt, count), loop, after)
+        builder.position_at_end(after)
+        outs = []
+        for acc, step in zip(accs, stepped):
+            outs.append(builder.phi(acc.type))
+            outs[-1].add_incoming(acc, before)
+            outs[-1].add_incoming(step, loop)
+        return outs
+
+    def halved(v):
+        n = v.type.count // 2
+        return builder.fadd(_lanes(builder, v, range(n)), _lanes(builder, v, range(n, 2 * n)))
+
+    groups = builder.extract_value(wsa.shape, 0)
+    # groups a step: two, in one 512-bit vpdpbusd, or with AVX2 in two 256-bit sums, each its own chain of
+    # additions (one chain made every group wait for the last one's)
+    per = 2 if (2 in _NIBBLE_DPBUSD if vnni and as_stored else BYTE_MADD) else 1
+    zero = ir.Constant(i64, 0)
+    accs = steps(zero, builder.sdiv(groups, ir.Constant(i64, per)), per, [const(f32, per * lanes_n, 0.0)] * len(rows))
+    if per == 2:  # and the last group if their count is odd
+        accs = steps(builder.sub(groups, ir.Constant(i64, 1)), builder.srem(groups, ir.Constant(i64, 2)), 1,
+                     [halved(a) for a in accs])
+    sums = []
+    for lanes in accs:
+        while lanes.type.count > 1:  # halve the lanes until one is left
+            lanes = halved(lanes)
+        sums.append(builder.extract_element(lanes, ir.Constant(i32, 0)))
+    return sums
 
 
 def _nibble_starts(xq, w):
@@ -326,11 +378,21 @@ def _int_rows(xq, xs, w, scale, b, out, accumulate, n_chunks):
             start, end = _span(c, n_chunks, N, 16)
             for n in range(start, end):
                 row, srow = w[n], scale[n]
-                for t in range(T):
-                    acc = _dot_row(row, srow, xq[t], xs[t], xc[t])
-                    if b is not None:
-                        acc += b[n]
-                    out[t, n] = out[t, n] + acc if accumulate else acc
+                bias = b[n] if b is not None else np.float32(0.0)
+                t = 0
+                while t + DOT_ROWS <= T:  # rows DOT_ROWS at a time, the row of W loaded once for them
+                    sums = _dot_rows(row, srow, xq, xs, xc, t)
+                    for i in range(DOT_ROWS):
+                        _put(out, t + i, n, sums[i], bias, accumulate)
+                    t += DOT_ROWS
+                for t in range(t, T):
+                    _put(out, t, n, _dot_row(row, srow, xq[t], xs[t], xc[t]), bias, accumulate)
+
+
+@njit(inline="always")
+def _put(out, t, n, acc, bias, accumulate):
+    acc += bias
+    out[t, n] = out[t, n] + acc if accumulate else acc
 
 
 @njit(cache=True, nogil=True)
