@@ -100,7 +100,8 @@ def quantize_rows(x):
     return q.reshape(x.shape), scale[..., 0]
 
 
-rows = st.integers(1, 5).flatmap(lambda T: st.integers(1, 4).map(lambda n: (T, n * compact.GROUP)))
+rows = st.integers(1, 9).flatmap(  # (rows: up to two of _dot_rows' blocks and a rest)
+    lambda T: st.integers(1, 4).map(lambda n: (T, n * compact.GROUP)))
 
 
 @given(shape=rows, zero_group=st.booleans(), seed=st.integers(0, 2**32 - 1))
@@ -135,6 +136,13 @@ def test_int_rows(shape, N, n_chunks, accumulate, bias, dtype, seed):
     # the same from x, quantised on the way (_int_matmul, what forward calls)
     intkernels._int_matmul(x, np.empty_like(xq), np.empty_like(xs), stored, scale, b, fused, accumulate, n_chunks)
     np.testing.assert_array_equal(fused, out)
+    # rows go DOT_ROWS at a time (_dot_rows), the rest one by one: each row's bits as it gets them alone
+    start = randn(np.random.default_rng(seed + 1), T, N)
+    together, alone = start.copy(), start.copy()
+    intkernels._int_rows(xq, xs, stored, scale, b, together, accumulate, n_chunks)
+    for t in range(T):
+        intkernels._int_rows(xq[t:t + 1], xs[t:t + 1], stored, scale, b, alone[t:t + 1], accumulate, n_chunks)
+    np.testing.assert_array_equal(together, alone)
 
 
 @given(seed=st.integers(0, 2**32 - 1), dtype=st.sampled_from(INTEGER))

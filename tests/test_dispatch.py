@@ -11,7 +11,7 @@ _AVX512 = _AVX2 | {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
 # dispatch.py's table: (ROWS_MAX, BF16_ROWS_MAX, HEAD_ROWS_MAX, INT_ROWS_MAX, INT4_ROWS_MAX, tiles' vpdpbusd bits),
 # and the instructions behind them (F16C, pmaddwd's int16 lanes, vpmaddubsw, vpdpbusd for int4's nibbles)
 TABLE = {
-    "AVX-512 with VNNI": (_AVX512 | {"avx512vnni"}, (64, 64, 64, 10, 8, 512), (True, 32, False, (256, 512))),
+    "AVX-512 with VNNI": (_AVX512 | {"avx512vnni"}, (64, 64, 64, 16, 12, 512), (True, 32, False, (256, 512))),
     "AVX-512": (_AVX512, (64, 64, 64, 10, 4, 0), (True, 32, False, ())),
     "AVX2 with AVX-VNNI": (_AVX2 | {"avxvnni"}, (3, 7, 10, 10, 8, 256), (True, 16, True, (256,))),
     "AVX2": (_AVX2, (3, 7, 10, 10, 7, 0), (True, 16, True, ())),

@@ -5,18 +5,17 @@ for (x86_features, once, at import), and choose() turns them into the kernels' i
 the row thresholds, as CTranslate2 keeps one get_cpu_isa() and a table per ISA. What they come to
 on the CPUs that matter (tests/test_dispatch.py holds choose() to this table):
 
-    instruction set                ROWS_MAX  BF16_ROWS_MAX  HEAD_ROWS_MAX  INT4_ROWS_MAX  integer tiles
-    AVX-512 with VNNI (Zen 4)         64          64             64              8        vpdpbusd, 512 bits
-    AVX-512 (Skylake-X)               64          64             64              4        pmaddwd, 512 bits
-    AVX2 with AVX-VNNI (Alder Lake)    3           7             10              8        vpdpbusd, 256 bits
-    AVX2 (Zen 3)                       3           7             10              7        pmaddwd, 256 bits
-    SSE2 or AVX                        3           7             10              4        pmaddwd, 128 bits
-    not x86                           64          64             64              4        generic vectors
+    instruction set                ROWS_MAX  BF16_ROWS_MAX  HEAD_ROWS_MAX  INT_ROWS_MAX  INT4_ROWS_MAX  integer tiles
+    AVX-512 with VNNI (Zen 4)         64          64             64            16            12       vpdpbusd, 512 bits
+    AVX-512 (Skylake-X)               64          64             64            10             4       pmaddwd, 512 bits
+    AVX2 with AVX-VNNI (Alder Lake)    3           7             10            10             8       vpdpbusd, 256 bits
+    AVX2 (Zen 3)                       3           7             10            10             7       pmaddwd, 256 bits
+    SSE2 or AVX                        3           7             10            10             4       pmaddwd, 128 bits
+    not x86                           64          64             64            10             4       generic vectors
 
-INT_ROWS_MAX is 10 on every one. Each number's measurement is one line beside it, in full in
-docs/performance.md, "Thresholds" (2 vCPUs, GPT-2 small's matrices). `gpt2numba tune` measures the row
-thresholds on the CPU it runs on and writes them to a file (tuning.py) that replaces this table's values
-here, at import; DEFAULTS keeps the table's.
+Each number's measurement is one line beside it, in full in docs/performance.md, "Thresholds" (2 vCPUs,
+GPT-2 small's matrices). `gpt2numba tune` measures the row thresholds on the CPU it runs on and writes
+them to a file (tuning.py) whose values replace this table's here, at import; DEFAULTS keeps the table's.
 """
 
 from __future__ import annotations
@@ -88,10 +87,12 @@ def choose(features: frozenset[str] | None) -> Choices:
         # AVX2: BLAS took 1.01-1.02x at 8 rows, 0.97-1.02x at 12 (before the tiles); AVX-512, the tiles: BLAS took
         # 1.68x their time at 16 rows, 1.28x at 32, 1.02x at 64 in float32, 2.32x, 1.73x, 1.31x in bfloat16
         head_rows_max=64 if avx512 else 10,
-        # 10 rows 5.4 ms against the tiles' 5.9, 12 rows 6.3 against 5.9 (AVX2)
-        int_rows_max=10,
-        # VNNI: 8 rows 27.2 ms a step against the tiles' 33.6; AVX2: 7 rows 17.2 against 18.5; else 4: 3.0 against 3.1
-        int4_rows_max=8 if nibble_vnni else 7 if byte_madd else 4,
+        # AVX-512 VNNI (vpdpbusd, four rows at once): a decode_batch step of 16 rows 35-36 ms against the tiles'
+        # 44-46, 24 rows the same; else 10 rows 5.4 ms against the tiles' 5.9, 12 rows 6.3 against 5.9 (AVX2)
+        int_rows_max=16 if 512 in nibble_vnni else 10,
+        # AVX-512 VNNI: 12 rows 27-31 ms a step against the tiles' 37, 16 rows 38-45 against 39; AVX-VNNI: 8 rows 27.2
+        # against 33.6 (before four rows at once); AVX2: 7 rows 17.2 against 18.5; else 4: 3.0 against 3.1
+        int4_rows_max=12 if 512 in nibble_vnni else 8 if nibble_vnni else 7 if byte_madd else 4,
     )
 
 

@@ -3,10 +3,12 @@
 A product with an integer matrix takes its input rows quantised to int8 per group
 of GROUP (_quantize_rows). Up to dispatch.INT_ROWS_MAX rows, _int_rows multiplies int8 by
 int8 (int4 unpacked in registers) into int32, one group at a time, and scales once
-per group; its dot product, _dot_row, is written in LLVM's vector IR so that every
-x86 gets the CPU's 8-bit multiply-add (vpmaddubsw with AVX2, else pmaddwd; for int4
-with VNNI, vpdpbusd; with either, int4's nibbles are multiplied as stored), fetching the matrix
-PREFETCH_BYTES ahead of its reads. More rows go to
+per group, four input rows (_dot_rows) to a row of W loaded once, the rest one at a time
+(_dot_row), each row's float the same either way. The dot products are written in LLVM's
+vector IR (_dot_sums) so that every x86 gets the CPU's 8-bit multiply-add: with VNNI,
+vpdpbusd, the weights as unsigned bytes (int4's nibbles as stored, w + 8; int8's w + 128)
+from sums that start at the inputs' fours times -8 or -128; else vpmaddubsw with AVX2, or
+pmaddwd. They fetch the matrix PREFETCH_BYTES ahead of their reads. More rows go to
 inttiles.py, in tiles of rows and outputs.
 
 Private and unchecked, as kernels.py: callers in forward.py validate.
