@@ -100,7 +100,7 @@ def quantize_rows(x):
     return q.reshape(x.shape), scale[..., 0]
 
 
-rows = st.integers(1, 9).flatmap(  # (rows: up to two of _dot_rows' blocks and a rest)
+rows = st.integers(1, 9).flatmap(  # (rows: up to two of _dot_four_rows' blocks and a rest)
     lambda T: st.integers(1, 4).map(lambda n: (T, n * compact.GROUP)))
 
 
@@ -136,7 +136,7 @@ def test_int_rows(shape, N, n_chunks, accumulate, bias, dtype, seed):
     # the same from x, quantised on the way (_int_matmul, what forward calls)
     intkernels._int_matmul(x, np.empty_like(xq), np.empty_like(xs), stored, scale, b, fused, accumulate, n_chunks)
     np.testing.assert_array_equal(fused, out)
-    # rows go DOT_ROWS at a time (_dot_rows), the rest one by one: each row's bits as it gets them alone
+    # rows go DOT_ROWS at a time (_dot_four_rows), the rest one by one: each row's bits as it gets them alone
     start = randn(np.random.default_rng(seed + 1), T, N)
     together, alone = start.copy(), start.copy()
     intkernels._int_rows(xq, xs, stored, scale, b, together, accumulate, n_chunks)
@@ -150,16 +150,17 @@ def test_int_rows_exact_at_the_extremes(seed, dtype):
     """Every byte product and sum exact at the extremes of int8 (-128 included, as a file may hold it) and of
     int4 (-8 and 7): with unit scales the sums are whole numbers below 2^24 that float32 holds, so no
     tolerance. A product that saturates int16 in pairs, takes -128's sign wrongly, or a nibble's 8 off
-    wrongly (int4 with VNNI or AVX2 multiplies w + 8), fails."""
+    wrongly (int4 with VNNI or AVX2 multiplies w + 8; int8 with AVX-512 VNNI w + 128), fails."""
     rng = np.random.default_rng(seed)
     K, N = 4 * compact.GROUP, 6
     low, high = (-128, 127) if dtype == "int8" else (-8, 7)
     w = rng.choice(np.array([low, low + 1, high, 0, 1], np.int8), (N, K))
     w[0], w[1] = low, high  # a row of each extreme: every pair at its largest
-    xq = rng.choice(np.array([-127, 127, 0, -1], np.int8), (2, K))
-    xq[0] = -127
-    scale, xs = np.ones((N, K // compact.GROUP), np.float32), np.ones((2, K // compact.GROUP), np.float32)
-    out = np.empty((2, N), np.float32)
+    T = 5  # four rows at once (_dot_four_rows), and one alone
+    xq = rng.choice(np.array([-127, 127, 0, -1], np.int8), (T, K))
+    xq[0], xq[3] = -127, 127
+    scale, xs = np.ones((N, K // compact.GROUP), np.float32), np.ones((T, K // compact.GROUP), np.float32)
+    out = np.empty((T, N), np.float32)
     intkernels._int_rows(xq, xs, w if dtype == "int8" else compact.pack(w), scale, None, out, False, 1)
     np.testing.assert_array_equal(out, xq.astype(np.int64) @ w.astype(np.int64).T)
 

@@ -9,7 +9,7 @@ _AVX2 = _SSE | {"avx", "avx2", "fma", "f16c", "bmi", "bmi2", "lzcnt", "movbe"}
 _AVX512 = _AVX2 | {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
 
 # dispatch.py's table: (ROWS_MAX, BF16_ROWS_MAX, HEAD_ROWS_MAX, INT_ROWS_MAX, INT4_ROWS_MAX, tiles' vpdpbusd bits),
-# and the instructions behind them (F16C, pmaddwd's int16 lanes, vpmaddubsw, vpdpbusd for int4's nibbles)
+# and the instructions behind them (F16C, pmaddwd's int16 lanes, vpmaddubsw, the vpdpbusd of one row's dot products)
 TABLE = {
     "AVX-512 with VNNI": (_AVX512 | {"avx512vnni"}, (64, 64, 64, 16, 12, 512), (True, 32, False, (256, 512))),
     "AVX-512": (_AVX512, (64, 64, 64, 10, 4, 0), (True, 32, False, ())),

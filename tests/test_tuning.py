@@ -5,15 +5,22 @@ The suite itself runs with GPT2NUMBA_TUNING=off (conftest.py); here each test na
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import gpt2numba as g
+from conftest import TINY
 from gpt2numba.bench import tune
-from gpt2numba.cpu import dispatch, tuning
+from gpt2numba.cpu import dispatch, inttiles, tuning
+from gpt2numba.errors import ConfigError
+from gpt2numba.model import products
 
 MACHINE = dispatch.TUNING.key  # this process's key (computed with tuning off too)
 OTHER = {**MACHINE, "numba": "0.0.0"}  # what an older Numba wrote: stale here
@@ -46,24 +53,27 @@ def test_a_stale_key_is_ignored_and_other_machines_kept(tuning_file):
     assert tuning.load(MACHINE).values == {"rows_max": 9}
 
 
-def _warned_and_ignored(tuning_file, text, says):
+def _warned_and_ignored(tuning_file, text, says, whole):
     tuning_file.parent.mkdir(parents=True)
     tuning_file.write_text(text)
     with pytest.warns(tuning.TuningWarning, match="ignoring the tuning file") as caught:
         assert tuning.load(MACHINE).values == {}
     message = str(caught[0].message)
     assert str(tuning_file) in message and says in message
-    tuning.save(MACHINE, {"rows_max": 3}, {}, "now")  # tune again: the unusable file is replaced
+    # tune again: a file unusable as a whole is replaced, saying so; a bad entry, replaced by the new one
+    with pytest.warns(tuning.TuningWarning, match="replacing the tuning file") if whole else warnings.catch_warnings():
+        tuning.save(MACHINE, {"rows_max": 3}, {}, "now")
     assert tuning.load(MACHINE).values == {"rows_max": 3}
 
 
 @pytest.mark.parametrize("text, says", [
     ("{not json", "Expecting property name"),
-    ('{"gpt2numba_tuning": 99, "entries": []}', "not a gpt2numba tuning file of format 1"),
+    ('{"gpt2numba_tuning": 99, "entries": []}', "format 99; this version reads 1"),
+    ('{"entries": []}', "not a gpt2numba tuning file"),
     ('{"gpt2numba_tuning": 1, "entries": {}}', "not a list of objects"),
 ])
 def test_a_malformed_file_is_warned_about_and_ignored(tuning_file, text, says):
-    _warned_and_ignored(tuning_file, text, says)
+    _warned_and_ignored(tuning_file, text, says, whole=True)
 
 
 @pytest.mark.parametrize("values, says", [
@@ -76,17 +86,86 @@ def test_a_malformed_file_is_warned_about_and_ignored(tuning_file, text, says):
 ])
 def test_an_entry_out_of_range_is_warned_about_and_ignored(tuning_file, values, says):
     text = json.dumps({"gpt2numba_tuning": 1, "entries": [{"key": MACHINE, "values": values}]})
-    _warned_and_ignored(tuning_file, text, says)
+    _warned_and_ignored(tuning_file, text, says, whole=False)
 
 
-def test_off_reads_and_writes_nothing(monkeypatch, tmp_path):
-    monkeypatch.setenv("GPT2NUMBA_TUNING", "OFF")
+@pytest.mark.parametrize("off", ["off", "OFF", "0", "false", "no", "None", " off "])
+def test_off_reads_and_writes_nothing(monkeypatch, off):
+    monkeypatch.setenv("GPT2NUMBA_TUNING", off)
     assert tuning.path() is None and tuning.load(MACHINE).values == {}
-    with pytest.raises(ValueError, match="GPT2NUMBA_TUNING=off"):
+    with pytest.raises(ConfigError, match="GPT2NUMBA_TUNING is off"):
         tuning.save(MACHINE, {"rows_max": 3}, {}, "now")
+
+
+def test_where_the_file_is(monkeypatch, tmp_path):
     monkeypatch.delenv("GPT2NUMBA_TUNING")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert tuning.path() == tmp_path / "gpt2numba" / "tuning.json"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # the XDG spec: a relative one is ignored
+    assert tuning.path() == Path.home() / ".cache" / "gpt2numba" / "tuning.json"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GPT2NUMBA_TUNING", "mine.json")  # a relative path: where the process started
+    assert tuning.path() == tmp_path / "mine.json"
+
+
+def test_an_unfindable_file_never_stops_the_import(monkeypatch):
+    """No home directory (a container with an arbitrary user id), a directory one may not search: warned, the
+    defaults."""
+    def nowhere():
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(tuning, "path", nowhere)
+    with pytest.warns(tuning.TuningWarning, match="Could not determine home directory"):
+        found = tuning.load(MACHINE)
+    assert found.values == {} and "unusable" in found.why_not
+
+
+def test_writers_at_once_keep_every_entry(tuning_file):
+    """Machines sharing a home directory, tuning at once: none loses its entry (the lock)."""
+    keys = [{**OTHER, "cpu": f"cpu {i}"} for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda k: tuning.save(k, {"rows_max": 5}, {}, "now"), keys * 3))
+    entries = json.loads(tuning_file.read_text())["entries"]
+    assert sorted(e["key"]["cpu"] for e in entries) == sorted(k["cpu"] for k in keys)
+
+
+def test_the_file_keeps_its_mode_and_its_link(tuning_file, tmp_path):
+    tuning.save(MACHINE, {"rows_max": 5}, {}, "now")
+    assert stat.S_IMODE(tuning_file.stat().st_mode) == 0o644  # readable by the others sharing it
+    tuning_file.chmod(0o664)
+    link = tmp_path / "link.json"
+    link.symlink_to(tuning_file)
+    os.environ["GPT2NUMBA_TUNING"] = str(link)  # (monkeypatch restores it: tuning_file set it)
+    tuning.save(MACHINE, {"rows_max": 6}, {}, "later")
+    assert link.is_symlink() and stat.S_IMODE(tuning_file.stat().st_mode) == 0o664
+    assert tuning.load(MACHINE).values == {"rows_max": 6}
+
+
+@pytest.mark.parametrize("dtype, threshold, few, many", [
+    ("float32", "ROWS_MAX", "_rows_product", "_linear"), ("bfloat16", "BF16_ROWS_MAX", "_rows_product", "_linear"),
+    ("int8", "INT_ROWS_MAX", "_int_matmul", "_tiles_matmul"), ("int4", "INT4_ROWS_MAX", "_int_matmul", "_tiles_matmul"),
+    ("float32", "HEAD_ROWS_MAX", "_rows_product", "_head"),
+])
+def test_products_follow_the_thresholds(monkeypatch, dtype, threshold, few, many):
+    """The kernel a product takes changes where dispatch's value says, read at every call (what a tuning sets)."""
+    w = g.random_weights(TINY, seed=0, dtype=dtype)
+    calls = []
+    for name in (few, many):
+        owner = inttiles if name == "_tiles_matmul" else products
+        kernel = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _k=kernel, _n=name: (calls.append(_n), _k(*a))[1])
+    monkeypatch.setattr(dispatch, threshold, 3)
+    for T in (3, 4):
+        x = np.ones((T, TINY.n_embd), np.float32)
+        if threshold == "HEAD_ROWS_MAX":
+            products.head_logits(w, x, np.empty((T, TINY.vocab_size), np.float32), 8)
+        else:
+            out = np.empty((T, 3 * TINY.n_embd), np.float32)
+            products.matmul(x, "c_attn_w", 0, w.c_attn_b[0], out, False, w, products.workspace(w, T, 2), 8)
+    assert calls == [few, many]
+
+
+def test_tune_names_every_threshold():
+    assert set(tune.FORMATS) == set(tuning.TUNABLE)
 
 
 def test_the_key_names_the_machine_and_code():
@@ -97,13 +176,14 @@ def test_the_key_names_the_machine_and_code():
 
 def test_the_suite_runs_with_the_defaults():
     assert os.environ["GPT2NUMBA_TUNING"] == "off" and dispatch.CHOICES == dispatch.DEFAULTS
-    assert "GPT2NUMBA_TUNING=off" in dispatch.describe_tuning()
+    assert "GPT2NUMBA_TUNING=off (`gpt2numba tune` measures them)" in dispatch.describe_tuning()
 
 
 @pytest.mark.parametrize("figures, expected", [
-    ({2: (1, 2), 3: (1, 2), 4: (3, 2), 6: (1, 2), 8: (3, 2), 12: (3, 2)}, 6),  # one loss is noise; two end it
-    ({2: (3, 2), 3: (3, 2), 4: (1, 2)}, 1),  # many rows won from the start
-    ({2: (1, 1), 64: (1, 1)}, 64),  # a tie goes to the few-rows kernel
+    ({2: (1, 2), 3: (1, 2), 4: (3, 2), 6: (1, 2), 8: (3, 2), 12: (3, 2)}, (6, True)),  # one loss is noise; two end it
+    ({2: (3, 2), 3: (3, 2), 4: (1, 2)}, (1, True)),  # many rows won from the start
+    ({2: (1, 1), 64: (1, 1)}, (64, False)),  # a tie goes to the few-rows kernel
+    ({2: (1, 2), 3: (3, 2)}, (2, False)),  # one loss so far
 ])
 def test_the_crossing(figures, expected):
     assert tune.crossing(figures) == expected

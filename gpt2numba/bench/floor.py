@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..argtypes import COUNT
-from .kernels import decode_bytes
 from .core import Load, Remote, gpt2numba_system, percent, progress, read_bandwidth, wait_for_idle
+from .kernels import decode_bytes
 
 
 def add_arguments(p) -> None:

@@ -44,4 +44,3 @@ def decode_bytes(w, kv_bytes: float) -> dict:
     out["head (wte)"] = w.wte.nbytes + (w.scales["wte"].nbytes if w.scales else 0)
     out["attention"] = kv_bytes
     return out
-

@@ -8,7 +8,8 @@ pass reads them), and its head (wte, float32) for head_rows_max. The threshold i
 at which the few-rows kernel was as fast, before the many-rows kernel won twice in a row. They go to
 cpu/tuning.py's file under this machine's key, and every later process here takes them at import
 (`gpt2numba check` says which values were measured). A choice off by a step costs little: at the
-crossing both kernels take about the same time.
+crossing both kernels take about the same time. head_rows_max, measured on a float32 head, holds for
+bfloat16's too, whose few-rows kernel gains more over BLAS (docs/performance.md, "Thresholds").
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 import numpy as np
 
 from ..cpu import dispatch, pool, tuning
+from ..errors import ConfigError
 from ..model import compact, forward, products
 from ..model.config import GPT2Config
 from ..model.weights import random_weights
@@ -27,10 +29,13 @@ from .core import Load, machine, set_idle_patience, wait_for_idle
 
 ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the row counts tried (within tuning.TUNABLE's ranges)
 FORMATS = {"rows_max": "float32", "bf16_rows_max": "bfloat16", "int_rows_max": "int8", "int4_rows_max": "int4",
-           "head_rows_max": "head"}  # threshold -> the products it chooses for
+           "head_rows_max": "head"}  # each of tuning.TUNABLE -> the products it is measured on (the head: float32)
 
 
 def run(args) -> int:
+    if not args.dry_run and tuning.path() is None:  # (before a minute of measuring, not after)
+        raise ConfigError("GPT2NUMBA_TUNING is off: nowhere to write the thresholds (unset it, set it to a path, "
+                          "or add --dry-run)")
     set_idle_patience(args.idle_patience)
     threads = forward.get_threads()
     names = args.only or list(FORMATS)
@@ -59,7 +64,7 @@ def run(args) -> int:
 
 def _threshold(runs, repeat) -> tuple[int, dict]:
     """(the threshold, {rows: (few ms, many ms, others' share)}) for runs(rows) -> (few, many) callables."""
-    figures, losses = {}, 0
+    figures = {}
     for rows in ROWS:
         few, many = runs(rows)
         times = ([], [])
@@ -73,16 +78,16 @@ def _threshold(runs, repeat) -> tuple[int, dict]:
                     into.append(time.perf_counter() - t)
         few_ms, many_ms = (1e3 * float(np.median(t)) for t in times)
         figures[rows] = (few_ms, many_ms, load.share)
-        losses = 0 if few_ms <= many_ms else losses + 1
-        if losses == 2:  # past the crossing: more rows only cost time
+        value, past = crossing(figures)
+        if past:  # more rows only cost time
             break
-    return crossing(figures), figures
+    return value, figures
 
 
-def crossing(figures: dict) -> int:
-    """The largest row count at which the few-rows kernel was as fast as the many-rows one, before the many-rows
-    one won at two row counts in a row (1 if it won from the start). figures: {rows: (few ms, many ms, ...)},
-    rows ascending."""
+def crossing(figures: dict) -> tuple[int, bool]:
+    """(the largest row count at which the few-rows kernel was as fast as the many-rows one, before the
+    many-rows one won at two row counts in a row (1 if it won from the start); whether it did win twice in a
+    row). figures: {rows: (few ms, many ms, ...)}, rows ascending."""
     value, losses = 1, 0
     for rows, (few, many, *_) in figures.items():
         if few <= many:
@@ -90,8 +95,8 @@ def crossing(figures: dict) -> int:
         else:
             losses += 1
             if losses == 2:
-                break
-    return value
+                return value, True
+    return value, False
 
 
 def _products(fmt: str, layers: int, threads: int):

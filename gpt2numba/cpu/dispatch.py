@@ -56,7 +56,7 @@ class Choices(NamedTuple):
     f16c: bool  # half floats converted by instructions (kernels._half_to_float32), else in integer code
     madd_width: int  # int16 lanes of the widest pmaddwd: 32 (AVX-512BW), 16 (AVX2), 8 (SSE2); 0 off x86
     byte_madd: bool  # one row's int8 dot products by AVX2's vpmaddubsw (intkernels._madd_signed_bytes)
-    nibble_vnni: tuple[int, ...]  # vector bits of the vpdpbusd that multiplies int4's nibbles in _dot_row
+    nibble_vnni: tuple[int, ...]  # vector bits of the vpdpbusd of _dot_row (int4's nibbles; int8 at 512 bits)
     tile_vnni: int  # bits of the vpdpbusd of the integer tiles' quads (inttiles.QUADS); 0: pmaddwd's pairs
     rows_max: int  # float32 rows up to which _rows_product runs (its matrix [out, in] as kept), not BLAS
     bf16_rows_max: int  # bfloat16 rows up to which _rows_product runs, not BLAS on the widened matrix
@@ -113,17 +113,16 @@ INT_ROWS_MAX = CHOICES.int_rows_max
 INT4_ROWS_MAX = CHOICES.int4_rows_max
 
 
-
 def describe_tuning() -> str:
     """Which row thresholds this process uses, and where each came from: for `gpt2numba check`."""
     values = ", ".join(f"{name} {getattr(CHOICES, name)}" + (
         f" (measured; default {getattr(DEFAULTS, name)})" if name in TUNING.values else " (default)")
         for name in tuning.TUNABLE)
-    if TUNING.path is None:
-        return f"{values}: GPT2NUMBA_TUNING=off"
     if not TUNING.values:
-        return f"{values}: no tuning for this CPU in {TUNING.path} (`gpt2numba tune` measures them)"
-    return f"{values}: measured by `gpt2numba tune` on {TUNING.entry.get('written', '?')}, from {TUNING.path}"
+        return f"{values}: {TUNING.why_not} (`gpt2numba tune` measures them)"
+    threads = TUNING.entry.get("measured", {}).get("threads", "?")
+    return (f"{values}: measured by `gpt2numba tune` with {threads} threads on {TUNING.entry.get('written', '?')}, "
+            f"from {TUNING.path}")
 
 
 # --- the same on every CPU -------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 A product with an integer matrix takes its input rows quantised to int8 per group
 of GROUP (_quantize_rows). Up to dispatch.INT_ROWS_MAX rows, _int_rows multiplies int8 by
 int8 (int4 unpacked in registers) into int32, one group at a time, and scales once
-per group, four input rows (_dot_rows) to a row of W loaded once, the rest one at a time
+per group, four input rows (_dot_four_rows) to a row of W loaded once, the rest one at a time
 (_dot_row), each row's float the same either way. The dot products are written in LLVM's
 vector IR (_dot_sums) so that every x86 gets the CPU's 8-bit multiply-add: with VNNI,
 vpdpbusd, the weights as unsigned bytes (int4's nibbles as stored, w + 8; int8's w + 128)
@@ -117,12 +117,19 @@ def _lanes(builder, v, lanes):
     return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)), lanes))
 
 
-# LLVM's names of VNNI's vpdpbusd, with which _dot_row multiplies int4's nibbles, by groups a step (one group's
-# 32 bytes in 256 bits, or two groups' 64 in 512), where the CPU has it; else None
+# LLVM's names of VNNI's vpdpbusd, with which _dot_row multiplies int4's nibbles (and int8's bytes, at 512 bits),
+# by groups a step (one group's 32 bytes in 256 bits, or two groups' 64 in 512), where the CPU has it; else None
 _NIBBLE_DPBUSD = {bits // 256: f"llvm.x86.avx512.vpdpbusd.{bits}" for bits in NIBBLE_VNNI} or None
 # int4's nibbles multiplied as stored (w + 8, unsigned), from sums that start at -8 times the inputs' fours: with
 # VNNI's vpdpbusd, or AVX2's vpmaddubsw, which then needs neither the 8 taken off nor the signs moved
 _NIBBLES_AS_STORED = _NIBBLE_DPBUSD is not None or BYTE_MADD
+
+
+def _unsigned_weights(packed: bool) -> bool:
+    """Whether _dot_row multiplies the weights as unsigned bytes (int4's nibbles as stored, w + 8; int8's w + 128,
+    by a 512-bit vpdpbusd, two groups at once: measured on AVX-512 only) from sums that start at the inputs'
+    fours times -8 or -128 (_nibble_starts), not as signed ones."""
+    return _NIBBLES_AS_STORED if packed else _NIBBLE_DPBUSD is not None and 2 in _NIBBLE_DPBUSD
 
 
 def _is_rows(a, ndim, *dtypes):
@@ -151,11 +158,11 @@ def _dot_row(typingctx, w, ws, x, xs, xc):
     return types.float32(w, ws, x, xs, xc), codegen
 
 
-DOT_ROWS = 4  # input rows _dot_rows multiplies by one integer row at once
+DOT_ROWS = 4  # input rows _dot_four_rows multiplies by one integer row at once
 
 
 @intrinsic
-def _dot_rows(typingctx, w, ws, x, xs, xc, t):
+def _dot_four_rows(typingctx, w, ws, x, xs, xc, t):
     """_dot_row of the integer row w with the DOT_ROWS input rows t, t + 1, ... of x: int8 (T, K), xs: (T, K // GROUP),
     xc: (T, K // 4) or (T, 0); a tuple of DOT_ROWS float32, each the bits _dot_row gives for its row alone. The
     weights are loaded (int4's nibbles unpacked) once for all the rows, and each row's sums are a chain of their
@@ -192,7 +199,7 @@ def _dot_sums(builder, wa, wsa, rows, packed):
     lanes are summed once per row.
     """
     vnni = _NIBBLE_DPBUSD is not None
-    as_stored = _NIBBLES_AS_STORED if packed else vnni  # int8 with VNNI: its bytes + 128, unsigned
+    as_stored = _unsigned_weights(packed)
     i8, i16, i32, f32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType(), ir.IntType(64)
     half = _HALF_GROUP
     lanes_n = _GROUP // 4 if BYTE_MADD or as_stored else half  # int32 sums of a group
@@ -300,7 +307,7 @@ def _nibble_starts(xq, w):
 @overload(_nibble_starts, inline="always")
 def _nibble_starts_typed(xq, w):
     packed = w.dtype == types.uint8
-    if not (_NIBBLES_AS_STORED if packed else _NIBBLE_DPBUSD is not None):
+    if not _unsigned_weights(packed):
         return lambda xq, w: np.empty((xq.shape[0], 0), np.int32)
     offset = np.int32(-8 if packed else -128)
 
@@ -383,7 +390,7 @@ def _int_rows(xq, xs, w, scale, b, out, accumulate, n_chunks):
                 bias = b[n] if b is not None else np.float32(0.0)
                 t = 0
                 while t + DOT_ROWS <= T:  # rows DOT_ROWS at a time, the row of W loaded once for them
-                    sums = _dot_rows(row, srow, xq, xs, xc, t)
+                    sums = _dot_four_rows(row, srow, xq, xs, xc, t)
                     for i in range(DOT_ROWS):
                         _put(out, t + i, n, sums[i], bias, accumulate)
                     t += DOT_ROWS

@@ -8,13 +8,15 @@ kernels (dispatch.SERIAL_ROWS, ROW_CHUNKS, PREFETCH_BYTES) are not tuned: Numba'
 kernels compiled with other values.
 
 The file, $XDG_CACHE_HOME/gpt2numba/tuning.json (~/.cache/...), holds one entry per key, so a home
-directory shared by machines of several kinds keeps each one's. GPT2NUMBA_TUNING=off ignores it,
-GPT2NUMBA_TUNING=PATH reads and writes PATH instead. A file that cannot be read or an entry out of
-range is ignored with a warning naming the file: the defaults are always a working choice.
+directory shared by machines of several kinds keeps each one's. GPT2NUMBA_TUNING=off (or 0, false,
+no, none) ignores it, GPT2NUMBA_TUNING=PATH reads and writes PATH instead. Whatever goes wrong with
+the file (unreadable, malformed, an entry out of range, no home directory), the import goes on with
+the defaults and a warning naming the file: the defaults are always a working choice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,7 +25,10 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
+from ..errors import ConfigError
+
 FORMAT = 1  # the file's layout; another number is a file this version does not read
+OFF = ("off", "0", "false", "no", "none")  # GPT2NUMBA_TUNING values that turn the file off
 
 # The thresholds a tuning may set, and the range dispatch accepts for each (rows, inclusive)
 TUNABLE = {"rows_max": (1, 64), "bf16_rows_max": (1, 64), "head_rows_max": (1, 64),
@@ -35,24 +40,28 @@ class TuningWarning(UserWarning):
 
 
 class Tuning(NamedTuple):
-    """What dispatch found: the file looked at (None: tuning off), its values for this CPU ({} if none),
-    how the entry was written (its "measured" figures, "written" time, ...) and the key looked for."""
+    """What dispatch found: the file looked at (None: tuning off or no file to look at), its values for this CPU
+    ({} if none), how the entry was written (its "measured" figures, "written" time, ...), the key looked for,
+    and why there are no values when there are none."""
 
     path: Path | None
     values: dict
     entry: dict
     key: dict
+    why_not: str = ""
 
 
 def path() -> Path | None:
-    """The tuning file this process reads and writes; None when GPT2NUMBA_TUNING=off."""
-    setting = os.environ.get("GPT2NUMBA_TUNING", "")
-    if setting.lower() == "off":
+    """The tuning file this process reads and writes, absolute; None when GPT2NUMBA_TUNING is off.
+    RuntimeError where there is no home directory to find the default in."""
+    setting = os.environ.get("GPT2NUMBA_TUNING", "").strip()
+    if setting.lower() in OFF:
         return None
     if setting:
-        return Path(setting).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "gpt2numba" / "tuning.json"
+        return Path(setting).expanduser().absolute()
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    cache = Path(cache) if os.path.isabs(cache) else Path.home() / ".cache"  # (XDG: a relative one is ignored)
+    return cache / "gpt2numba" / "tuning.json"
 
 
 def key(cpu: str, features: frozenset[str] | None) -> dict:
@@ -67,8 +76,7 @@ def key(cpu: str, features: frozenset[str] | None) -> dict:
 
 
 def checked(values, where: str) -> dict:
-    """values if it is a dict of TUNABLE names to integers in their ranges; else TuningWarning's message in a
-    ValueError naming ``where``."""
+    """values if it is a dict of TUNABLE names to integers in their ranges; else a ValueError naming ``where``."""
     if not isinstance(values, dict):
         raise ValueError(f"{where}: the values are not an object")
     for name, value in values.items():
@@ -82,49 +90,80 @@ def checked(values, where: str) -> dict:
 
 def load(machine: dict) -> Tuning:
     """The tuning for ``machine`` (a key()) in the file; no values if there is none, or it is unusable (warned)."""
-    file = path()
-    if file is None or not file.exists():
-        return Tuning(file, {}, {}, machine)
+    file = None
     try:
-        entries = _entries(file)
-        entry = next((e for e in entries if e.get("key") == machine), None)
-        if entry is None:
-            return Tuning(file, {}, {}, machine)  # another machine's, or stale: not an error
+        file = path()
+        if file is None:
+            return Tuning(None, {}, {}, machine, "GPT2NUMBA_TUNING=off")
+        if not file.exists():
+            return Tuning(file, {}, {}, machine, f"no tuning file at {file}")
+        entry = next((e for e in _entries(file) if e.get("key") == machine), None)
+        if entry is None:  # another machine's, or stale: not an error
+            return Tuning(file, {}, {}, machine, f"no tuning for this CPU and code in {file}")
         return Tuning(file, checked(entry.get("values"), "this CPU's entry"), entry, machine)
-    except (OSError, ValueError) as e:
-        warnings.warn(f"ignoring the tuning file {file}: {e}; the default thresholds apply "
+    except (OSError, ValueError, RuntimeError) as e:
+        where = f"the tuning file {file}" if file else "the tuning file"
+        warnings.warn(f"ignoring {where}: {e}; the default thresholds apply "
                       "(run `gpt2numba tune` again, or set GPT2NUMBA_TUNING=off)", TuningWarning, stacklevel=2)
-        return Tuning(file, {}, {}, machine)
+        return Tuning(file, {}, {}, machine, f"{where} is unusable: {e}")
 
 
 def save(machine: dict, values: dict, measured: dict, when: str) -> Path:
-    """Write the entry for ``machine`` (replacing its old one, keeping other machines'); the file replaced at once,
-    so a process reading it never sees half of it. A file unusable as it stands is replaced."""
+    """Write the entry for ``machine``, replacing its old one and keeping other machines' (an exclusive lock
+    held from reading the file to replacing it, so two machines tuning at once both keep theirs). The file is
+    replaced at once, so a process reading it never sees half of it; a file unusable as it stands is replaced,
+    with a warning. ConfigError when GPT2NUMBA_TUNING is off."""
     file = path()
     if file is None:
-        raise ValueError("GPT2NUMBA_TUNING=off: no tuning file to write (unset it, or set it to a path)")
+        raise ConfigError("GPT2NUMBA_TUNING is off: no tuning file to write (unset it, or set it to a path)")
     checked(values, "the measured values")
-    try:
-        entries = [e for e in _entries(file) if e.get("key") != machine] if file.exists() else []
-    except (OSError, ValueError):
-        entries = []
-    entries.append({"key": machine, "values": values, "measured": measured, "written": when})
+    file = file.resolve()  # (a link's target is the file replaced, not the link)
     file.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=file.parent, prefix=".tuning-", suffix=".json", delete=False) as f:
-        try:
-            json.dump({"gpt2numba_tuning": FORMAT, "entries": entries}, f, indent=1)
-            f.close()
-            os.replace(f.name, file)
-        except BaseException:
-            os.unlink(f.name)
-            raise
+    with _locked(file):
+        entries = []
+        if file.exists():
+            try:
+                entries = [e for e in _entries(file) if e.get("key") != machine]
+            except (OSError, ValueError) as e:
+                warnings.warn(f"replacing the tuning file {file}, which could not be used: {e}", TuningWarning,
+                              stacklevel=2)
+        entries.append({"key": machine, "values": values, "measured": measured, "written": when})
+        mode = file.stat().st_mode & 0o777 if file.exists() else 0o644  # (a temporary file's is 0600)
+        with tempfile.NamedTemporaryFile("w", dir=file.parent, prefix=".tuning-", suffix=".json",
+                                         delete=False) as f:
+            try:
+                json.dump({"gpt2numba_tuning": FORMAT, "entries": entries}, f, indent=1)
+                f.close()
+                os.chmod(f.name, mode)
+                os.replace(f.name, file)
+            except BaseException:
+                os.unlink(f.name)
+                raise
     return file
+
+
+@contextlib.contextmanager
+def _locked(file: Path):
+    """An exclusive lock on ``file``'s lock file beside it, where the platform has flock."""
+    try:
+        import fcntl
+    except ImportError:  # (Windows: writers are not serialised)
+        yield
+        return
+    with open(file.with_name(file.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _entries(file: Path) -> list[dict]:
     data = json.loads(file.read_text())  # (a JSONDecodeError is a ValueError)
-    if not isinstance(data, dict) or data.get("gpt2numba_tuning") != FORMAT:
-        raise ValueError(f"not a gpt2numba tuning file of format {FORMAT}")
+    if not isinstance(data, dict) or "gpt2numba_tuning" not in data:
+        raise ValueError("not a gpt2numba tuning file")
+    if data["gpt2numba_tuning"] != FORMAT:
+        raise ValueError(f"format {data['gpt2numba_tuning']!r}; this version reads {FORMAT}")
     entries = data.get("entries")
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError("its entries are not a list of objects")
