@@ -44,6 +44,8 @@ def launch() -> None:
     named = str(numba.config.THREADING_LAYER).lower()
     if named != "default" or os.environ.get("NUMBA_THREADING_LAYER_PRIORITY"):
         _why[:] = [f"chosen by the user ({named if named != 'default' else '$NUMBA_THREADING_LAYER_PRIORITY'})"]
+        if named not in ("omp", "workqueue"):  # a choice that may be TBB: the wheel's, which the loader cannot find
+            load_tbb()
         parallel._launch_threads()
         return
     found = load_tbb()
