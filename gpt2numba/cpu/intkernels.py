@@ -21,7 +21,7 @@ from numba.extending import intrinsic, overload
 
 from .chunks import _claimed, _span
 from .dispatch import GROUP as _GROUP, BYTE_MADD, MADD_WIDTH, NIBBLE_VNNI, PREFETCH_BYTES
-from .kernels import _as_float32, _as_uint32
+from .kernels import _as_float32, _as_uint32, _put
 
 _HALF_GROUP = _GROUP // 2
 
@@ -387,21 +387,14 @@ def _int_rows(xq, xs, w, scale, b, out, accumulate, n_chunks):
             start, end = _span(c, n_chunks, N, 16)
             for n in range(start, end):
                 row, srow = w[n], scale[n]
-                bias = b[n] if b is not None else np.float32(0.0)
                 t = 0
                 while t + DOT_ROWS <= T:  # rows DOT_ROWS at a time, the row of W loaded once for them
                     sums = _dot_four_rows(row, srow, xq, xs, xc, t)
                     for i in range(DOT_ROWS):
-                        _put(out, t + i, n, sums[i], bias, accumulate)
+                        _put(out, t + i, n, sums[i], b, accumulate)
                     t += DOT_ROWS
                 for t in range(t, T):
-                    _put(out, t, n, _dot_row(row, srow, xq[t], xs[t], xc[t]), bias, accumulate)
-
-
-@njit(inline="always")
-def _put(out, t, n, acc, bias, accumulate):
-    acc += bias
-    out[t, n] = out[t, n] + acc if accumulate else acc
+                    _put(out, t, n, _dot_row(row, srow, xq[t], xs[t], xc[t]), b, accumulate)
 
 
 @njit(cache=True, nogil=True)

@@ -36,6 +36,7 @@ from numba.extending import intrinsic, overload
 from .chunks import _claimed, _span
 from .dispatch import GROUP as _GROUP, MADD_WIDTH, ROW_CHUNKS, TILE_VNNI
 from .intkernels import _PMADDWD, _quantize_rows, _llvm
+from .kernels import _put
 
 _HALF_GROUP = _GROUP // 2
 _LANES = (MADD_WIDTH or 16) // 2  # int32 sums in one multiply-add: outputs per vector
@@ -430,9 +431,7 @@ def _chunk(xw, xs, T, w, scale, b, out, accumulate, n0, buffers):
     for t in range(T):  # row by row: a panel's outputs are one cache line of out's row
         for i in range(count):
             for j in range(min(PANEL, N - n0 - i * PANEL)):
-                n = n0 + i * PANEL + j
-                v = acc[i, t, j] + b[n] if b is not None else acc[i, t, j]
-                out[t, n] = out[t, n] + v if accumulate else v
+                _put(out, t, n0 + i * PANEL + j, acc[i, t, j], b, accumulate)
 
 
 @njit(cache=True, nogil=True, parallel=True)

@@ -180,6 +180,14 @@ def _write_kv(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half):
 # --- a compact cache's formats: float16 and bfloat16, stored as their uint16 bits -------------------
 
 
+@njit(cache=True, nogil=True)
+def _put(out, r, v, s, b, accumulate):
+    """out[r, v] (+)= s (+ b[v]), the store that ends every product kernel; b: (N,) or None."""
+    if b is not None:
+        s += b[v]
+    out[r, v] = out[r, v] + s if accumulate else s
+
+
 @intrinsic
 def _as_float32(typingctx, bits):
     """The float32 whose bits are the uint32 ``bits`` (a register move, so loops stay vectorised)."""

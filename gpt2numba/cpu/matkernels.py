@@ -15,11 +15,11 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from . import inttiles
-from .rowtiles import TILE_OUTPUTS, TILE_ROWS, _put, _tiles, _widen
+from .rowtiles import TILE_OUTPUTS, TILE_ROWS, _tiles, _widen
 from .blas import _gemm
 from .chunks import _claimed, _span
 from .dispatch import ROW_CHUNKS
-from .kernels import FASTMATH, _as_float32, _exp_inplace
+from .kernels import FASTMATH, _as_float32, _exp_inplace, _put
 
 
 @njit(cache=True, nogil=True, parallel=True)

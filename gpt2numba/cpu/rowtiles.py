@@ -24,7 +24,7 @@ from numba.extending import intrinsic, overload
 
 from .dispatch import MADD_WIDTH
 from .intkernels import _prefetch
-from .kernels import _as_float32
+from .kernels import _as_float32, _put
 
 LANES = MADD_WIDTH // 2 if MADD_WIDTH else 8  # float32 lanes of the widest vector (int16 lanes / 2)
 TILE_ROWS = 4  # rows of x per tile
@@ -162,12 +162,4 @@ def _tiles(w, x, b, out, accumulate, start, end, sums):
                     for k in range(Kv, K):  # the inputs past the last whole step
                         s += x[t0 + r, k] * _widen(w[v0 + n, k])
                     _put(out, t0 + r, v0 + n, s, b, accumulate)
-
-
-@njit(cache=True, nogil=True)
-def _put(out, r, v, s, b, accumulate):
-    """out[r, v] (+)= s (+ b[v]); b: (N,) or None."""
-    if b is not None:
-        s += b[v]
-    out[r, v] = out[r, v] + s if accumulate else s
 
