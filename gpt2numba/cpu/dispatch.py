@@ -58,11 +58,13 @@ class Choices(NamedTuple):
     byte_madd: bool  # one row's int8 dot products by AVX2's vpmaddubsw (intkernels._madd_signed_bytes)
     nibble_vnni: tuple[int, ...]  # vector bits of the vpdpbusd of _dot_row (int4's nibbles; int8 at 512 bits)
     tile_vnni: int  # bits of the vpdpbusd of the integer tiles' quads (inttiles.QUADS); 0: pmaddwd's pairs
+    bf16_dot: bool  # bfloat16 activations' products by AVX512_BF16's vdpbf16ps on 512 bits (rowtiles), else widened
     rows_max: int  # float32 rows up to which _rows_product runs (its matrix [out, in] as kept), not BLAS
     bf16_rows_max: int  # bfloat16 rows up to which _rows_product runs, not BLAS on the widened matrix
     head_rows_max: int  # rows up to which the head is _rows_product, not BLAS
     int_rows_max: int  # int8 rows up to which intkernels._int_rows runs, not the tiles
     int4_rows_max: int  # the same for int4
+    bf16_dot_rows_max: int  # bfloat16 activations' rows up to which rowtiles' tiles run, not paneltiles (BF16_DOT)
 
 
 def choose(features: frozenset[str] | None) -> Choices:
@@ -78,6 +80,7 @@ def choose(features: frozenset[str] | None) -> Choices:
     return Choices(
         f16c=features is None or "f16c" in f,  # (ARM converts half floats in instructions)
         madd_width=madd_width, byte_madd=byte_madd, nibble_vnni=nibble_vnni, tile_vnni=tile_vnni,
+        bf16_dot=madd_width == 32 and "avx512bf16" in f,
         # AVX2: BLAS took 0.88x the kernel's time at 2 rows, 1.04-1.08x at 3, 0.93-0.97x at 4 (the kernel before the
         # tiles, on the matrix [in, out]; not measured since on AVX2); AVX-512: 64 won
         rows_max=64 if avx512 else 3,
@@ -93,6 +96,9 @@ def choose(features: frozenset[str] | None) -> Choices:
         # AVX-512 VNNI: 12 rows 27-31 ms a step against the tiles' 37, 16 rows 38-45 against 39; AVX-VNNI: 8 rows 27.2
         # against 33.6 (before four rows at once); AVX2: 7 rows 17.2 against 18.5; else 4: 3.0 against 3.1
         int4_rows_max=12 if 512 in nibble_vnni else 8 if nibble_vnni else 7 if byte_madd else 4,
+        # AVX512_BF16 (Zen 4): 4 layers' matrices, 24 rows 7.3 ms in the tiles, 7.7 in panels; 32 rows 8.5 and
+        # 8.5; 48 rows 12.0 and 10.0 (without it the panels are never taken)
+        bf16_dot_rows_max=32,
     )
 
 
@@ -106,11 +112,20 @@ MADD_WIDTH = CHOICES.madd_width
 BYTE_MADD = CHOICES.byte_madd
 NIBBLE_VNNI = CHOICES.nibble_vnni
 TILE_VNNI = CHOICES.tile_vnni
+BF16_DOT = CHOICES.bf16_dot
 ROWS_MAX = CHOICES.rows_max
 BF16_ROWS_MAX = CHOICES.bf16_rows_max
 HEAD_ROWS_MAX = CHOICES.head_rows_max
 INT_ROWS_MAX = CHOICES.int_rows_max
 INT4_ROWS_MAX = CHOICES.int4_rows_max
+BF16_DOT_ROWS_MAX = CHOICES.bf16_dot_rows_max
+
+
+def describe_bf16() -> str:
+    """How products with bfloat16 activations multiply here: for `gpt2numba check`."""
+    if BF16_DOT:
+        return "vdpbf16ps (AVX512_BF16), 32 products into 16 float32 sums an instruction"
+    return "widened to float32 in registers, float32 multiply-adds (this CPU has no AVX512_BF16 with AVX-512)"
 
 
 def describe_tuning() -> str:

@@ -14,12 +14,12 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from . import inttiles
+from . import inttiles, paneltiles
 from .rowtiles import TILE_OUTPUTS, TILE_ROWS, _tiles, _widen
 from .blas import _gemm
 from .chunks import _claimed, _span
-from .dispatch import ROW_CHUNKS
-from .kernels import FASTMATH, _as_float32, _exp_inplace, _put
+from .dispatch import BF16_DOT, ROW_CHUNKS, SERIAL_ROWS
+from .kernels import FASTMATH, _as_float32, _exp_inplace, _put, _to_bfloat16
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -50,9 +50,9 @@ def _rows_product(w, x, b, out, accumulate, n_chunks):
     """out (+)= x @ W.T (+ b) for a few rows, W = widen(w) read as stored: a matrix kept [out, in] (bfloat16's
     in a block, or the tied head's wte, float32 or bfloat16 bits).
 
-    w: (N, K); x: (R, K); b: (N,) or None; out: (R, N). A chunk is a span of W's rows (outputs). One row of
-    x takes a dot product per row of W (_dot_rows); more go in tiles of rows x outputs whose sums stay in
-    registers (rowtiles._tiles).
+    w: (N, K); x: (R, K) float32, or bfloat16 bits with w's (bfloat16 activations); b: (N,) or None; out:
+    (R, N). A chunk is a span of W's rows (outputs). One row of x takes a dot product per row of W
+    (_dot_rows); more go in tiles of rows x outputs whose sums stay in registers (rowtiles._tiles).
     """
     N = w.shape[0]
     R = x.shape[0]
@@ -69,7 +69,7 @@ def _rows_product(w, x, b, out, accumulate, n_chunks):
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _dot_rows(w, x, b, out, accumulate, start, end):
-    """out[0, v] (+)= W[v] . x[0] (+ b[v]) for v in start..end-1, W = widen(w). For float32 it streamed GPT-2
+    """out[0, v] (+)= W[v] . X[0] (+ b[v]) for v in start..end-1, W = widen(w), X = widen(x). For float32 it streamed GPT-2
     small's wte in 4.34 ms where BLAS's matrix-vector product per chunk took 5.59 (2 threads, AMD EPYC Zen 4,
     alternating, medians of 15)."""
     K = x.shape[1]
@@ -77,8 +77,27 @@ def _dot_rows(w, x, b, out, accumulate, start, end):
         row = w[v]
         s = np.float32(0.0)
         for k in range(K):
-            s += _widen(row[k]) * x[0, k]
+            s += _widen(row[k]) * _widen(x[0, k])
         _put(out, 0, v, s, b, accumulate)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _round_bf16(x, out):
+    """out = x rounded to bfloat16 (bits, uint16; to nearest, ties to even): bfloat16 activations' inputs to a product.
+    x: float32 (T, K); out: uint16 (T, K)."""
+    T = x.shape[0]
+    if T <= SERIAL_ROWS:  # (a parallel region's barrier costs more than these rows)
+        for t in range(T):
+            _round_row(x[t], out[t])
+        return
+    for t in prange(T):
+        _round_row(x[t], out[t])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _round_row(x, out):
+    for k in range(x.shape[0]):
+        out[k] = _to_bfloat16(x[k])
 
 
 # Vocabulary rows per step of the head over several rows: a (HEAD_CHUNK, C) slice
@@ -137,20 +156,25 @@ def _widen_rows(wte, c0, c1, dense):
 
 
 def _head_work(inputs):
-    """One thread's buffers for _head_scores: a chunk of wte's rows widened (float formats), or the
-    integer tiles' buffers (inputs (xw, xs))."""
+    """One thread's buffers for _head_scores: a chunk of wte's rows widened (float formats), the tiles' sums
+    (bfloat16 activations: inputs bfloat16 bits), or the integer tiles' buffers (inputs (xw, xs))."""
 
 
 @overload(_head_work, inline="always")
 def _head_work_typed(inputs):
     if isinstance(inputs, types.BaseTuple):
         return lambda inputs: inttiles._chunk_buffers(inputs[0], inputs[1].shape[1])
+    if inputs.dtype == types.uint16 and BF16_DOT:
+        return lambda inputs: paneltiles._panel_buffers(inputs.shape[1])
+    if inputs.dtype == types.uint16:
+        return lambda inputs: np.empty(TILE_ROWS * TILE_OUTPUTS, np.float32)
     return lambda inputs: np.empty((HEAD_CHUNK, inputs.shape[1]), np.float32)
 
 
 def _head_scores(wte, scale, inputs, c0, c1, work, chunk):
     """chunk (R, c1 - c0) = the logits of vocabulary rows c0..c1-1: inputs @ W[c0:c1].T, W = wte
-    widened to float32 and one BLAS product; or for the integer formats (inputs = (xw, xs), as
+    widened to float32 and one BLAS product; for bfloat16 activations (inputs bfloat16 bits) paneltiles' panels
+    with AVX512_BF16 (K even), else rowtiles' tiles; or for the integer formats (inputs = (xw, xs), as
     inttiles.laid_out) the integer tiles, W read as stored."""
 
 
@@ -162,6 +186,12 @@ def _head_scores_typed(wte, scale, inputs, c0, c1, work, chunk):
                 inttiles._chunk(inputs[0], inputs[1], chunk.shape[0], wte[c0:c1], scale[c0:c1], None, chunk,
                                 False, n0, work)
         return tiles
+    if inputs.dtype == types.uint16 and BF16_DOT:
+        return lambda wte, scale, inputs, c0, c1, work, chunk: paneltiles._panels(wte[c0:c1], inputs, None, chunk,
+                                                                                  False, 0, c1 - c0, work)
+    if inputs.dtype == types.uint16:
+        return lambda wte, scale, inputs, c0, c1, work, chunk: _tiles(wte[c0:c1], inputs, None, chunk, False, 0,
+                                                                      c1 - c0, work)
 
     def dense(wte, scale, inputs, c0, c1, work, chunk):
         _widen_rows(wte, c0, c1, work)
@@ -174,7 +204,8 @@ def _head_log_softmax(wte, scale, inputs, targets, logprob, best, n_chunks):
     """log softmax(h @ W.T) at each row's target, and each row's argmax, with no (R, V) array.
 
     wte: float32 or bfloat16 bits (V, C), or int8 / packed int4 with scale (V, C // GROUP); inputs:
-    h (R, C), or for the integer formats h quantised for the tiles, (xw, xs) (inttiles.laid_out);
+    h (R, C), bfloat16 bits with bfloat16 activations, or for the integer formats h quantised for the
+    tiles, (xw, xs) (inttiles.laid_out);
     targets: int64 (R,), ids in [0, V) or -1 for a row with none (its logprob is nan); logprob:
     float64 (R,); best: int64 (R,), the lowest id of the largest logit.
     A chunk is a span of the vocabulary, taken HEAD_CHUNK rows at a time (_head_scores:

@@ -22,17 +22,18 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from .dispatch import MADD_WIDTH
-from .intkernels import _prefetch
+from .dispatch import BF16_DOT, MADD_WIDTH
+from .intkernels import _llvm, _prefetch
 from .kernels import _as_float32, _put
 
 LANES = MADD_WIDTH // 2 if MADD_WIDTH else 8  # float32 lanes of the widest vector (int16 lanes / 2)
 TILE_ROWS = 4  # rows of x per tile
 TILE_OUTPUTS = 4 if LANES >= 16 else 2  # rows of W per tile: 16 sums in 32 zmm registers; 8 in 16 ymm
+BLOCK_ROWS = 64  # rows of x a thread takes at a time: their tiles run against its span of W, x's block in L2
 
 
 def _widen(v):
-    """A stored weight as float32: itself, or bfloat16 bits (uint16)."""
+    """A stored weight or input as float32: itself, or bfloat16 bits (uint16)."""
 
 
 @overload(_widen, inline="always")
@@ -42,21 +43,35 @@ def _widen_typed(v):
     return lambda v: np.float32(v)
 
 
+def _step(x):
+    """Inputs per step of _tile_sums for rows x: 2 LANES for bfloat16 bits by vdpbf16ps, else LANES."""
+
+
+@overload(_step, inline="always")
+def _step_typed(x):
+    step = 2 * LANES if x.dtype == types.uint16 and BF16_DOT else LANES
+    return lambda x: step
+
+
 @intrinsic
 def _tile_sums(typingctx, w, x, v0, v1, t0, T, sums):
     """sums[r * TILE_OUTPUTS + n] = x[min(t0 + r, T - 1), :Kv] . W[min(v0 + n, v1 - 1), :Kv] (float32, partial
-    sums per lane reduced at the end), Kv = K rounded down to LANES, for r < TILE_ROWS, n < TILE_OUTPUTS.
+    sums per lane reduced at the end), Kv = K rounded down to _step(x), for r < TILE_ROWS, n < TILE_OUTPUTS.
 
-    w: float32 or uint16 (bfloat16 bits) (N, K), C order; x: float32 (T, K), C order; sums: float32
-    (TILE_ROWS * TILE_OUTPUTS,). Rows past T or v1 repeat the last (their sums are for the caller to drop).
+    w: float32 or uint16 (bfloat16 bits) (N, K), C order; x: float32 (T, K), or bfloat16 bits with w's
+    bfloat16 (bfloat16 activations: with BF16_DOT, vdpbf16ps multiplies pairs, 2 LANES products into LANES
+    sums; else both widened), C order;
+    sums: float32 (TILE_ROWS * TILE_OUTPUTS,). Rows past T or v1 repeat the last (their sums are for the
+    caller to drop).
     """
     def is_c(a, dtypes, ndim):
         return isinstance(a, types.Array) and a.dtype in dtypes and a.ndim == ndim and a.layout == "C"
 
-    if not (is_c(w, (types.float32, types.uint16), 2) and is_c(x, (types.float32,), 2)
+    if not (is_c(w, (types.float32, types.uint16), 2) and is_c(x, (types.float32, w.dtype), 2)
             and is_c(sums, (types.float32,), 1)):
         return None
-    bits = w.dtype == types.uint16
+    bits, x_bits = w.dtype == types.uint16, x.dtype == types.uint16
+    dot = x_bits and BF16_DOT
 
     def codegen(context, builder, sig, args):
         wa, xa, sa = (context.make_array(ty)(context, builder, v)
@@ -64,6 +79,7 @@ def _tile_sums(typingctx, w, x, v0, v1, t0, T, sums):
         v0v, v1v, t0v, Tv = args[2:6]
         i16, i32, i64, f32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
         L, R, O = LANES, TILE_ROWS, TILE_OUTPUTS
+        S = 2 * L if dot else L  # inputs a step
         vf = ir.VectorType(f32, L)
 
         def const(n):
@@ -76,8 +92,16 @@ def _tile_sums(typingctx, w, x, v0, v1, t0, T, sums):
         def vector_at(ptr, index, ty, align):  # the vector of ty at ptr[index]
             return builder.load(builder.bitcast(builder.gep(ptr, [index]), ty.as_pointer()), align=align)
 
+        def widened(ptr, index):  # L bfloat16 values at ptr[index] as float32: the high half of each
+            return builder.bitcast(builder.shl(builder.zext(vector_at(ptr, index, ir.VectorType(i16, L), 2),
+                                                            ir.VectorType(i32, L)),
+                                               ir.Constant(ir.VectorType(i32, L), [16] * L)), vf)
+
+        def pairs(ptr, index):  # 2L bfloat16 values at ptr[index], as vdpbf16ps takes them
+            return vector_at(ptr, index, ir.VectorType(i32, L), 2)
+
         K = builder.extract_value(xa.shape, 1)
-        Kv = builder.mul(builder.sdiv(K, const(L)), const(L))
+        Kv = builder.mul(builder.sdiv(K, const(S)), const(S))
         w_row = [builder.mul(clamped(v0v, n, v1v), K) for n in range(O)]
         ahead = builder.mul(K, const(O))
         x_row = [builder.mul(clamped(t0v, r, Tv), K) for r in range(R)]
@@ -97,20 +121,22 @@ def _tile_sums(typingctx, w, x, v0, v1, t0, T, sums):
         for n in range(O):  # the next tile's row n, as far ahead as this tile reads its own
             _prefetch(builder, builder.bitcast(builder.gep(wa.data, [builder.add(builder.add(w_row[n], ahead), k)]),
                                                ir.IntType(8).as_pointer()))
-        if bits:  # bfloat16: the high half of a float32
-            wv = [builder.bitcast(builder.shl(builder.zext(vector_at(wa.data, builder.add(w_row[n], k),
-                                                                     ir.VectorType(i16, L), 2), ir.VectorType(i32, L)),
-                                              ir.Constant(ir.VectorType(i32, L), [16] * L)), vf) for n in range(O)]
-        else:
-            wv = [vector_at(wa.data, builder.add(w_row[n], k), vf, 4) for n in range(O)]
+        load = pairs if dot else widened if bits else lambda ptr, index: vector_at(ptr, index, vf, 4)
+        wv = [load(wa.data, builder.add(w_row[n], k)) for n in range(O)]
+        if not dot:
+            load = widened if x_bits else lambda ptr, index: vector_at(ptr, index, vf, 4)
         nxt = []
         for r in range(R):
-            xv = vector_at(xa.data, builder.add(x_row[r], k), vf, 4)
-            nxt.append([builder.fadd(acc[r][n], builder.fmul(xv, wv[n], flags=("contract",)), flags=("contract",))
-                        for n in range(O)])
+            xv = load(xa.data, builder.add(x_row[r], k))
+            if dot:
+                nxt.append([_llvm(builder, "llvm.x86.avx512bf16.dpbf16ps.512", vf, acc[r][n], wv[n], xv)
+                            for n in range(O)])
+            else:
+                nxt.append([builder.fadd(acc[r][n], builder.fmul(xv, wv[n], flags=("contract",)),
+                                         flags=("contract",)) for n in range(O)])
             for n in range(O):
                 acc[r][n].add_incoming(nxt[r][n], loop)
-        k_next = builder.add(k, const(L))
+        k_next = builder.add(k, const(S))
         k.add_incoming(k_next, loop)
         builder.cbranch(builder.icmp_signed("<", k_next, Kv), loop, done)
 
@@ -148,18 +174,20 @@ def _lane_sums(builder, vectors):
 
 @njit(cache=True, nogil=True)
 def _tiles(w, x, b, out, accumulate, start, end, sums):
-    """out[:, v] (+)= x @ W[v].T (+ b[v]) for v in start..end-1, W = widen(w), in tiles: every tile of rows for
-    each tile of outputs. w: (N, K); x: (T, K); b: (N,) or None; out: (T, N); sums: float32 (TILE_ROWS *
-    TILE_OUTPUTS,), the thread's."""
+    """out[:, v] (+)= X @ W[v].T (+ b[v]) for v in start..end-1, W = widen(w), X = widen(x), in tiles: for each
+    block of BLOCK_ROWS rows, every tile of its rows for each tile of outputs. w: (N, K); x: (T, K); b: (N,) or
+    None; out: (T, N); sums: float32 (TILE_ROWS * TILE_OUTPUTS,), the thread's."""
     T, K = x.shape
-    Kv = K - K % LANES
-    for v0 in range(start, end, TILE_OUTPUTS):
-        for t0 in range(0, T, TILE_ROWS):
-            _tile_sums(w, x, v0, end, t0, T, sums)
-            for r in range(min(TILE_ROWS, T - t0)):
-                for n in range(min(TILE_OUTPUTS, end - v0)):
-                    s = sums[r * TILE_OUTPUTS + n]
-                    for k in range(Kv, K):  # the inputs past the last whole step
-                        s += x[t0 + r, k] * _widen(w[v0 + n, k])
-                    _put(out, t0 + r, v0 + n, s, b, accumulate)
+    Kv = K - K % _step(x)
+    for t1 in range(0, T, BLOCK_ROWS):
+        t2 = min(T, t1 + BLOCK_ROWS)
+        for v0 in range(start, end, TILE_OUTPUTS):
+            for t0 in range(t1, t2, TILE_ROWS):
+                _tile_sums(w, x, v0, end, t0, t2, sums)
+                for r in range(min(TILE_ROWS, t2 - t0)):
+                    for n in range(min(TILE_OUTPUTS, end - v0)):
+                        s = sums[r * TILE_OUTPUTS + n]
+                        for k in range(Kv, K):  # the inputs past the last whole step
+                            s += _widen(x[t0 + r, k]) * _widen(w[v0 + n, k])
+                        _put(out, t0 + r, v0 + n, s, b, accumulate)
 

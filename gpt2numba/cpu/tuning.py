@@ -32,7 +32,7 @@ OFF = ("off", "0", "false", "no", "none")  # GPT2NUMBA_TUNING values that turn t
 
 # The thresholds a tuning may set, and the range dispatch accepts for each (rows, inclusive)
 TUNABLE = {"rows_max": (1, 64), "bf16_rows_max": (1, 64), "head_rows_max": (1, 64),
-           "int_rows_max": (1, 64), "int4_rows_max": (1, 64)}
+           "int_rows_max": (1, 64), "int4_rows_max": (1, 64), "bf16_dot_rows_max": (1, 64)}
 
 
 class TuningWarning(UserWarning):
