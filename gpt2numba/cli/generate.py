@@ -86,7 +86,7 @@ def run(args) -> int:
         w, path = None, args.model or os.environ.get("GPT2NUMBA_WEIGHTS") or None
         tokenizer = load_tokenizer(path if path is not None and Path(path).exists() else None)
     else:
-        w, path, _ = resolve_model(args.model, args.dtype)
+        w, path, _ = resolve_model(args.model, args.dtype, args.activations)
         tokenizer = load_tokenizer(path)
     if path is None:
         print(f"gpt2numba: {RANDOM_NOTE}", file=sys.stderr)

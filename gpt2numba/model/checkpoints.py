@@ -22,7 +22,7 @@ from .weights import _LAYER_TENSORS, _MODEL_TENSORS, GPT2Weights, _check_dtype, 
 _IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
 
 
-def load_weights(path: str | Path, dtype: str = "float32") -> GPT2Weights:
+def load_weights(path: str | Path, dtype: str = "float32", activations: str = "float32") -> GPT2Weights:
     """Load GPT-2 weights from a safetensors checkpoint.
 
     ``path`` is a directory holding ``model.safetensors`` (and ``config.json``,
@@ -34,7 +34,8 @@ def load_weights(path: str | Path, dtype: str = "float32") -> GPT2Weights:
     says how the matrices are kept ("float32", "bfloat16", "int8" or "int4", see
     compact.py), one tensor at a time, never the whole model in float32 on the
     way; a file read in its own format (bfloat16, int8, int4) is copied as it is
-    (bfloat16's block matrices turned [out, in]).
+    (bfloat16's block matrices turned [out, in]). ``activations="bfloat16"`` (bfloat16 weights only)
+    rounds every matrix product's inputs to bfloat16, for the CPU's bfloat16 products (docs/formats.md).
 
     Raises CheckpointNotFoundError for a missing path and CheckpointError for an
     unreadable file, a missing, mis-shaped or non-finite tensor, an untied
@@ -42,7 +43,7 @@ def load_weights(path: str | Path, dtype: str = "float32") -> GPT2Weights:
     """
     from safetensors import SafetensorError, safe_open
 
-    _check_dtype(dtype)  # the config, known later, is checked against it in _read
+    _check_dtype(dtype, activations=activations)  # the config, known later, is checked against it in _read
     if not isinstance(path, (str, os.PathLike)):
         raise CheckpointNotFoundError(f"path must be a str or path, got {type(path).__name__}")
     path = Path(path)
@@ -63,7 +64,7 @@ def load_weights(path: str | Path, dtype: str = "float32") -> GPT2Weights:
         # get_tensor would copy each one out of a memory map that, once read, counts
         # against the process's resident memory beside our copy, doubling the peak.
         with safe_open(str(file), framework="numpy") as f, open(file, "rb", buffering=0) as raw:
-            return _read(f, _TensorReader(raw), file, config, dtype)
+            return _read(f, _TensorReader(raw), file, config, dtype).astype(dtype, activations)
     except SafetensorError as e:
         raise CheckpointError(f"{str(file)!r} is not a readable safetensors file: {e}") from None
 

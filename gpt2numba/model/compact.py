@@ -35,6 +35,7 @@ import numpy as np
 from ..cpu.dispatch import GROUP  # inputs per scale: the integer kernels are written for it
 
 DTYPES = ("float32", "bfloat16", "int8", "int4")
+ACTIVATIONS = ("float32", "bfloat16")  # the matrix products' inputs: as computed, or rounded to bfloat16
 INTEGER = ("int8", "int4")
 STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "int8": np.int8, "int4": np.uint8}  # bfloat16 as its bits
 LEVELS = {"int8": 127, "int4": 8}  # the largest |value| of each integer format

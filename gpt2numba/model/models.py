@@ -18,12 +18,13 @@ RANDOM_NAME = "random-gpt2-small"  # the server's model id for them, unless --mo
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # the hub's "name" or "owner/name"
 
 
-def resolve_model(model: str | None, dtype: str = "float32"):
+def resolve_model(model: str | None, dtype: str = "float32", activations: str = "float32"):
     """(weights, checkpoint path or None, description) for a --model value.
 
     model: a checkpoint directory, a .safetensors file, a hub name such as gpt2 or openai-community/gpt2
     (fetched with the [hub] extra), or None: $GPT2NUMBA_WEIGHTS, else seeded random GPT-2 small (path None).
-    is_hub_name says which a name is. dtype: how the matrices are kept (compact.DTYPES). Raises
+    is_hub_name says which a name is. dtype: how the matrices are kept (compact.DTYPES); activations: how
+    their products take their inputs (compact.ACTIVATIONS). Raises
     GPT2NumbaError (a checkpoint error, a missing path, or a hub name that cannot be fetched).
     """
     if model is None:
@@ -32,9 +33,9 @@ def resolve_model(model: str | None, dtype: str = "float32"):
             w = default_weights()
         except GPT2NumbaError as e:  # (said where the path came from: the variable, not a flag)
             raise type(e)(f"$GPT2NUMBA_WEIGHTS={env!r}: {e}") from None
-        return w.astype(dtype), env, env or "random GPT-2 small weights (seed 0)"
+        return w.astype(dtype, activations), env, env or "random GPT-2 small weights (seed 0)"
     path = _download(model) if is_hub_name(model) else Path(model)
-    return load_weights(path, dtype=dtype), path, str(model)
+    return load_weights(path, dtype=dtype, activations=activations), path, str(model)
 
 
 def is_hub_name(model: str) -> bool:

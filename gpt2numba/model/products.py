@@ -5,6 +5,10 @@ Every product reads its matrix as stored, [out, in]: float32 as is and bfloat16 
 few rows (matkernels, rowtiles), or through BLAS for many (bfloat16 widened once into a dense buffer); int8 and
 int4 in integers (intkernels for a few rows, inttiles' tiles for more), the inputs rounded to int8
 per group. The thresholds between them are dispatch.py's, read at every call (a tuning's, if any).
+With bfloat16 activations every product's inputs are rounded to bfloat16 (bits, uint16): one row widened in
+registers (matkernels._dot_rows, which the read of the matrix bounds), a few in rowtiles' tiles (vdpbf16ps
+along K where the CPU has it, else widened), more in paneltiles' panels (vdpbf16ps across outputs; on a CPU
+without it, rowtiles' tiles, however many).
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ import weakref
 import numba
 import numpy as np
 
-from ..cpu import dispatch, inttiles
+from ..cpu import dispatch, inttiles, paneltiles
 from ..cpu.intkernels import _int_matmul
 from ..cpu.kernels import attend_width
-from ..cpu.matkernels import _expand_bf16, _head, _linear, _rows_product
+from ..cpu.matkernels import _expand_bf16, _head, _linear, _round_bf16, _rows_product
 from . import compact
 from .config import GPT2Config
 from .weights import GPT2Weights
@@ -29,14 +33,19 @@ from .weights import GPT2Weights
 def matmul(x, field, layer, b, out, accumulate, w, work, n_chunks):
     """out (+)= x @ (layer's matrix ``field``) + b, whatever the matrix's storage."""
     matrix = getattr(w, field)[layer]
-    if w.dtype == "float32":
+    if w.activations == "bfloat16":
+        x = work.rounded(x)
+    elif w.dtype == "float32":
         matrix = compact.to_rows(field, matrix)  # [out, in] as kept (float32's field is a view [in, out] of it)
     scale = w.scales[field][layer] if w.scales else None
-    product(x, matrix, scale, b, out, accumulate, work, n_chunks, few=x.shape[0] <= rows_max(w.dtype))
+    product(x, matrix, scale, b, out, accumulate, work, n_chunks, few=x.shape[0] <= rows_max(w.dtype, w.activations))
 
 
-def rows_max(dtype: str) -> int:
-    """Rows up to which a product with a block matrix of weights ``dtype`` takes the few-rows kernel."""
+def rows_max(dtype: str, activations: str = "float32") -> int:
+    """Rows up to which a product with a block matrix of weights ``dtype`` taking ``activations`` takes the
+    few-rows kernel."""
+    if activations == "bfloat16":
+        return dispatch.BF16_DOT_ROWS_MAX
     return {"float32": dispatch.ROWS_MAX, "bfloat16": dispatch.BF16_ROWS_MAX,
             "int8": dispatch.INT_ROWS_MAX, "int4": dispatch.INT4_ROWS_MAX}[dtype]
 
@@ -49,9 +58,16 @@ def product(x, matrix, scale, b, out, accumulate, work, n_chunks, few: bool):
     A few rows read the matrix itself: float32 as is and bfloat16 widened in registers (_rows_product), the
     integer formats one dot product at a time (_int_matmul). Many rows: bfloat16 widened once, then BLAS;
     the integer formats in tiles of rows and outputs (inttiles). The integers' inputs are rounded to int8 per
-    group either way.
+    group either way. x as bfloat16 bits (bfloat16 activations, Workspace.rounded): _rows_product for a few
+    rows, paneltiles for many (with AVX512_BF16; else _rows_product).
     """
     T, K = x.shape
+    if x.dtype == np.uint16:  # bfloat16 activations: x rounded (bits), the matrix bfloat16
+        if few or not dispatch.BF16_DOT:
+            _rows_product(matrix, x, b, out, accumulate, n_chunks)
+        else:
+            paneltiles._panel_product(matrix, x, b, out, accumulate, n_chunks)
+        return
     if scale is not None:
         if few:
             xq, xs = work.quantized(T, K)
@@ -75,7 +91,10 @@ def head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, n_chunks: int
     """logits = h @ wte.T, by the kernel that suits wte's format and the rows. The integer
     formats multiply in integers, as the block matrices (product)."""
     R, C = h.shape
-    if w.scales:
+    if w.activations == "bfloat16":
+        bits = workspace(w, R, numba.get_num_threads()).rounded(h)
+        head(w.wte, bits, logits, n_chunks, few=R <= dispatch.BF16_DOT_ROWS_MAX)
+    elif w.scales:
         work = workspace(w, R, numba.get_num_threads())
         fmt = compact.format_of("wte", w.dtype)
         product(h, w.wte, w.scales["wte"], None, logits, False, work, n_chunks, few=R <= rows_max(fmt))
@@ -85,8 +104,10 @@ def head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, n_chunks: int
 
 def head(wte, h, logits, n_chunks, few: bool) -> None:
     """logits = h @ wte.T for wte float32 or bfloat16: the few-rows kernel, or _head's (BLAS, a span of the
-    vocabulary a chunk)."""
-    if few:
+    vocabulary a chunk); h bfloat16 bits (bfloat16 activations): as product."""
+    if h.dtype == np.uint16:
+        product(h, wte, None, None, logits, False, None, n_chunks, few)
+    elif few:
         _rows_product(wte, h, None, logits, False, n_chunks)
     else:
         _head(wte, h, logits, n_chunks)
@@ -95,7 +116,9 @@ def head(wte, h, logits, n_chunks, few: bool) -> None:
 def head_inputs(w: GPT2Weights, h: np.ndarray):
     """The rows as the scoring head takes them (matkernels._head_log_softmax): h itself, or for the
     integer formats h quantised and laid out for the integer tiles (inttiles.laid_out), as every
-    integer product multiplies them."""
+    integer product multiplies them; with bfloat16 activations h rounded to bfloat16 (bits)."""
+    if w.activations == "bfloat16":
+        return compact.to_bfloat16(h)
     return inttiles.laid_out(h) if w.scales else h
 
 
@@ -125,6 +148,7 @@ class Workspace:
         self._int8 = np.empty(0, np.int8)
         self._int8_scales = np.empty(0, np.float32)
         self._wide = np.empty(0, np.int16)
+        self._bf16 = np.empty(0, np.uint16)  # bfloat16 activations' inputs, rounded
         self._views = {}  # (T, K): quantized's views of _int8 and _int8_scales
 
     def scratch(self, T: int) -> np.ndarray:
@@ -154,6 +178,16 @@ class Workspace:
             self._wide = np.empty(n * self.width, inttiles.WIDE)
         q, s = self.quantized(n, K)
         return q, s, self._wide[: n * K].reshape(n, K)
+
+    def rounded(self, x: np.ndarray) -> np.ndarray:
+        """x's rows rounded to bfloat16 (bits, uint16), in this workspace: a product's inputs with bfloat16
+        activations."""
+        T, K = x.shape
+        if self._bf16.size < T * K:
+            self._bf16 = np.empty(T * self.width, np.uint16)
+        bits = self._bf16[: T * K].reshape(T, K)
+        _round_bf16(x, bits)
+        return bits
 
     def dense(self, shape: tuple) -> np.ndarray:
         """A float32 buffer of ``shape`` for one widened compact matrix (many rows only)."""

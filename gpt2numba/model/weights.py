@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import CheckpointError, ConfigError
 from . import checks, compact
-from .compact import BLOCK_MATRICES, DTYPES, INTEGER, MATRICES, storage
+from .compact import ACTIVATIONS, BLOCK_MATRICES, DTYPES, INTEGER, MATRICES, storage
 from .config import GPT2Config
 
 # Per-layer tensors: our field name, the checkpoint's name inside block "h.N.",
@@ -59,7 +59,8 @@ class GPT2Weights:
     int8), and ``scales`` maps each integer matrix to its float32 per-group scales
     (see compact.py).
     ``matrix(field)`` gives any of them as float32 in the layout above.
-    Everything else is float32 always.
+    Everything else is float32 always. ``activations`` says how the matrix products take their inputs:
+    as float32, or (bfloat16 weights only) rounded to bfloat16 once, for the CPU's bfloat16 products.
     """
 
     config: GPT2Config
@@ -81,9 +82,10 @@ class GPT2Weights:
     ln_f_b: np.ndarray         # (C,)
     dtype: str = "float32"     # of the matrices: "float32", "bfloat16", "int8" or "int4"
     scales: dict | None = None  # int8, int4: matrix field -> float32 scales, compact.scale_shape
+    activations: str = "float32"  # the products' inputs: "float32", or "bfloat16" with bfloat16 weights
 
     def __post_init__(self):
-        _check_dtype(self.dtype, self.config)
+        _check_dtype(self.dtype, self.config, self.activations)
         if (self.scales is not None) != (self.dtype in INTEGER):
             raise ConfigError("int8 and int4 weights need scales, and only they have them")
         arrays = [(field, shape, storage(field, self.dtype) if field in MATRICES else np.float32)
@@ -108,14 +110,18 @@ class GPT2Weights:
         """A matrix kind as float32, whatever its storage (a new array unless float32)."""
         return compact.expand(field, getattr(self, field), self.scales and self.scales[field])
 
-    def astype(self, dtype: str) -> GPT2Weights:
-        """These weights with their matrices stored as ``dtype`` (from float32 values)."""
+    def astype(self, dtype: str, activations: str | None = None) -> GPT2Weights:
+        """These weights with their matrices stored as ``dtype`` (from float32 values), their products taking
+        ``activations`` ("float32", or "bfloat16" with bfloat16 weights; by default these weights' own where
+        ``dtype`` allows it, else "float32")."""
+        if activations is None:
+            activations = self.activations if dtype == "bfloat16" else "float32"
+        _check_dtype(dtype, self.config, activations)
         if dtype == self.dtype:
-            return self
-        _check_dtype(dtype, self.config)
+            return self if activations == self.activations else dataclasses.replace(self, activations=activations)
         stored = {field: compact.compress(field, self.matrix(field), dtype) for field in MATRICES}
         return dataclasses.replace(
-            self, dtype=dtype, **{field: a for field, (a, _) in stored.items()},
+            self, dtype=dtype, activations=activations, **{field: a for field, (a, _) in stored.items()},
             scales={field: s for field, (_, s) in stored.items()} if dtype in INTEGER else None)
 
     def __reduce__(self):  # unpickled through __init__, so that the arrays are kept as above
@@ -125,14 +131,22 @@ class GPT2Weights:
         """float32 weights with the values these ones stand for (self if float32)."""
         if self.dtype == "float32":
             return self
-        return dataclasses.replace(self, dtype="float32", scales=None,
+        return dataclasses.replace(self, dtype="float32", scales=None, activations="float32",
                                    **{field: self.matrix(field) for field in MATRICES})
 
 
-def _check_dtype(dtype: str, config: GPT2Config | None = None) -> None:
-    """ConfigError unless ``dtype`` is a storage format (and, given a config, one it fits)."""
+def _check_dtype(dtype: str, config: GPT2Config | None = None, activations: str = "float32") -> None:
+    """ConfigError unless ``dtype`` is a storage format (and, given a config, one it fits) whose products
+    may take ``activations``."""
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if activations not in ACTIVATIONS:
+        raise ConfigError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    if activations == "bfloat16" and dtype != "bfloat16":
+        raise ConfigError(f"activations='bfloat16' needs bfloat16 weights (dtype='bfloat16'), got dtype={dtype!r}")
+    if activations == "bfloat16" and config is not None and config.n_embd % 2:
+        raise ConfigError(f"bfloat16 activations need an even n_embd (their products take inputs in pairs), "
+                          f"got {config.n_embd}")
     if dtype in INTEGER and config is not None and config.n_embd % compact.GROUP:
         raise ConfigError(f"{dtype} weights need n_embd divisible by {compact.GROUP}, got {config.n_embd}")
 
