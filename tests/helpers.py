@@ -19,7 +19,7 @@ def assert_matches_oracle(logits, ids, w, label, ref=None):
     ref = g.recompute_logits(ids, w) if ref is None else ref
     assert logits.dtype == np.float32 and logits.shape == (w.config.vocab_size,)
     record_diff(f"{label}, {len(ids)} tokens", float(np.abs(logits - ref).max()))
-    ok, why = oracle.agreement(logits, ref, w.dtype)
+    ok, why = oracle.agreement(logits, ref, w)
     assert ok, f"{why} at {len(ids)} tokens"
     return ref
 

@@ -381,7 +381,7 @@ def test_integer_tiles_prefill(dtype, wide, monkeypatch):
     check_chunks(ids, [INT_ROWS_MAX + 10, INT_ROWS_MAX + 11, 60, 61], w, f"{dtype}, past INT_ROWS_MAX")
     rows = g.prefill(ids, w, g.ModelCache(cfg), logits="all")
     for T in (1, INT_ROWS_MAX + 1, len(ids)):
-        assert oracle.agreement(rows[T - 1], g.recompute_logits(ids[:T], w), dtype)[0]
+        assert oracle.agreement(rows[T - 1], g.recompute_logits(ids[:T], w), w)[0]
 
 
 def test_compact_is_smaller(small):

@@ -1,5 +1,5 @@
 """The kernels' generic paths: compiled for an x86-64 CPU without AVX (NUMBA_CPU_NAME=generic), in a
-subprocess, every format against the float64 oracle.
+subprocess, every format (and bfloat16 activations, widened) against the float64 oracle.
 
 On such a CPU dispatch.py chooses 128-bit pmaddwd tiles, half floats converted in integer code
 (no F16C) and BLAS from 4 rows: paths no AVX2 or AVX-512 machine runs otherwise. The first run
@@ -28,10 +28,11 @@ from conftest import TINY
 out = {"features": sorted(dispatch.FEATURES) if dispatch.FEATURES is not None else None,
        "choices": dispatch.CHOICES._asdict()}
 rng = np.random.default_rng(0)
-for name, dtype, kv in (("float32", "float32", "float32"), ("bfloat16", "bfloat16", "float32"),
-                        ("int8", "int8", "float32"), ("int4", "int4", "float32"),
-                        ("float16 cache", "float32", "float16")):
-    w = g.random_weights(TINY, seed=5, dtype=dtype)
+for name, dtype, kv, act in (("float32", "float32", "float32", "float32"), ("bfloat16", "bfloat16", "float32", "float32"),
+                             ("int8", "int8", "float32", "float32"), ("int4", "int4", "float32", "float32"),
+                             ("float16 cache", "float32", "float16", "float32"),
+                             ("bfloat16 activations", "bfloat16", "float32", "bfloat16")):
+    w = g.random_weights(TINY, seed=5).astype(dtype, act)
     ids = [int(t) for t in rng.integers(0, TINY.vocab_size, 40)]
     mc = g.ModelCache(TINY, dtype=kv)
     steps = [g.prefill(ids[:36], w, mc)] + [g.decode_step(t, w, mc) for t in ids[36:]]
@@ -39,7 +40,7 @@ for name, dtype, kv in (("float32", "float32", "float32"), ("bfloat16", "bfloat1
     batch = g.prefill_batch([ids[:5], ids[:33]], w, caches)
     refs = oracle.recompute_all_logits(ids, w)
     pairs = [(s, refs[35 + i]) for i, s in enumerate(steps)] + [(batch[0], refs[4]), (batch[1], refs[32])]
-    verdicts = [oracle.agreement(s, r, w.dtype) for s, r in pairs]
+    verdicts = [oracle.agreement(s, r, w) for s, r in pairs]
     out[name] = {"ok": all(ok for ok, _ in verdicts), "why": [why for ok, why in verdicts if not ok],
                  "max_diff": max(float(np.abs(s - r).max()) for s, r in pairs)}
 json.dump(out, sys.stdout)
@@ -57,7 +58,7 @@ def test_every_format_matches_the_oracle_on_a_generic_x86_64_cpu():
     out = json.loads(done.stdout)
     assert out["features"] == [], out["features"]  # compiled without AVX, F16C or any other extension
     assert out["choices"]["madd_width"] == 8 and not out["choices"]["f16c"], out["choices"]  # the generic paths
-    for name in ("float32", "bfloat16", "int8", "int4", "float16 cache"):
+    for name in ("float32", "bfloat16", "int8", "int4", "float16 cache", "bfloat16 activations"):
         assert out[name]["ok"], (name, out[name])
 
 

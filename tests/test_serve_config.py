@@ -19,7 +19,8 @@ def served_config(monkeypatch, *flags_given) -> ServeConfig:
     import gpt2numba.serve
 
     got = []
-    monkeypatch.setattr(commands, "resolve_model", lambda model, dtype: (g.random_weights(CONFIG, seed=5), None, "x"))
+    monkeypatch.setattr(commands, "resolve_model",
+                        lambda model, dtype, activations: (g.random_weights(CONFIG, seed=5), None, "x"))
     monkeypatch.setattr(gpt2numba.serve, "run", lambda w, tokenizer, config: got.append(config), raising=False)
     monkeypatch.delenv("GPT2NUMBA_API_KEY", raising=False)
     assert commands.main(["serve", *flags_given]) == 0

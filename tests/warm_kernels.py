@@ -16,12 +16,13 @@ import gpt2numba as g
 
 # As conftest.TINY: 2 layers of 64-wide heads, K = 128 (4 groups), with more positions for many rows.
 CONFIG = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=128, vocab_size=512)
-FORMATS = [(dtype, "float32") for dtype in ("float32", "int8", "bfloat16", "int4")] + [
-    ("float32", kv) for kv in g.KV_DTYPES if kv != "float32"]
+# (weights, cache, activations)
+FORMATS = [(dtype, "float32", "float32") for dtype in ("float32", "int8", "bfloat16", "int4")] + [
+    ("bfloat16", "float32", "bfloat16")] + [("float32", kv, "float32") for kv in g.KV_DTYPES if kv != "float32"]
 
 
-def warm(dtype: str, kv_dtype: str) -> None:
-    w = g.random_weights(CONFIG, seed=0, dtype=dtype)
+def warm(dtype: str, kv_dtype: str, activations: str) -> None:
+    w = g.random_weights(CONFIG, seed=0).astype(dtype, activations)
     rng = np.random.default_rng(0)
     for rows in (3, 80):  # few rows, and more than every few-rows kernel takes
         mc = g.ModelCache(CONFIG, dtype=kv_dtype)
@@ -37,5 +38,5 @@ def warm(dtype: str, kv_dtype: str) -> None:
 
 if __name__ == "__main__":
     share, shares = int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    for dtype, kv_dtype in FORMATS[share::shares]:
-        warm(dtype, kv_dtype)
+    for weights_format in FORMATS[share::shares]:
+        warm(*weights_format)
