@@ -25,9 +25,9 @@ import tempfile
 from pathlib import Path
 
 from ..argtypes import COUNT, in_range
-from ..model.compact import DTYPES
+from ..model.compact import ACTIVATIONS, DTYPES
 from . import ct2, floor, llama, neighbour, scoring, standard, throughput
-from .core import machine, set_idle_patience, wait_for_idle
+from .core import BF16_ACTIVATIONS, machine, set_idle_patience, wait_for_idle
 
 __all__ = ["main", "wait_for_idle"]
 
@@ -35,6 +35,8 @@ __all__ = ["main", "wait_for_idle"]
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.activations == "bfloat16":
+        args.dtypes = [*args.dtypes, BF16_ACTIVATIONS]
     section = (scoring if args.score else llama if args.llama else ct2 if args.ct2
                else neighbour if args.neighbour else floor if args.floor else standard)
     if args.plot and (section is not standard or args.no_throughput):
@@ -80,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=COUNT, default=64, help="decode steps per context (median)")
     p.add_argument("--bandwidth-mib", type=COUNT, default=1024, help="array size for the read-bandwidth floor")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES, help="gpt2numba's weight formats to run")
+    p.add_argument("--activations", default="float32", choices=ACTIVATIONS,
+                   help="bfloat16: bfloat16 weights run with bfloat16 activations too, as the format "
+                   f"{BF16_ACTIVATIONS!r} (beside bfloat16 in --dtypes; docs/formats.md)")
     p.add_argument("--accuracy-prompts", type=COUNT, default=16,
                    help="random prompts for the compact formats' accuracy figures")
     p.add_argument("--batch-sizes", type=COUNT, nargs="+", default=[1, 4, 8, 16, 32, 64],

@@ -116,7 +116,7 @@ def start_peer(make, kind, path, threads):
 class Ours:
     def __init__(self, g, w):
         self.g, self.w = g, w
-        self.name = dtype_name(w.dtype)
+        self.name = dtype_name(format_of(w))
         self.mc = g.ModelCache(w.config)
         self.caches = []  # the batch's, one per sequence
 
@@ -206,12 +206,27 @@ class Ours:
 
 
 def gpt2numba_system(dtype, model_dir, threads):
-    """(system, name, version) of gpt2numba in the format ``dtype``: a ``make`` for Remote."""
+    """(system, name, version) of gpt2numba in the format ``dtype`` (a bench format, weights_format): a ``make``
+    for Remote."""
     import gpt2numba as g
 
     g.set_threads(threads)
-    system = Ours(g, g.load_weights(model_dir, dtype=dtype))
+    stored, activations = weights_format(dtype)
+    system = Ours(g, g.load_weights(model_dir, dtype=stored, activations=activations))
     return system, system.name, "gpt2numba"
+
+
+BF16_ACTIVATIONS = "bfloat16-act"  # the bench's format of bfloat16 weights with bfloat16 activations
+
+
+def weights_format(name: str) -> tuple[str, str]:
+    """(dtype, activations) of a bench format: a weights dtype (float32 activations), or BF16_ACTIVATIONS."""
+    return ("bfloat16", "bfloat16") if name == BF16_ACTIVATIONS else (name, "float32")
+
+
+def format_of(w) -> str:
+    """The bench format of weights ``w``."""
+    return BF16_ACTIVATIONS if w.activations == "bfloat16" else w.dtype
 
 
 def dtype_name(dtype):

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..argtypes import COUNT
-from .core import Load, Remote, gpt2numba_system, percent, progress, read_bandwidth, wait_for_idle
+from .core import (Load, Remote, gpt2numba_system, percent, progress, read_bandwidth, wait_for_idle,
+                   weights_format)
 from .kernels import decode_bytes
 
 
@@ -47,7 +48,7 @@ def run(args, model_dir, w) -> dict:
     kv_bytes = kv_rows * g.ModelCache(cfg, max_len=1).position_bytes
     weight_bytes, kind_bytes = {}, {}
     for dtype in args.dtypes:  # one format at a time
-        wd = w.astype(dtype)
+        wd = w.astype(*weights_format(dtype))
         weight_bytes[dtype], kind_bytes[dtype] = _weight_bytes(wd), decode_bytes(wd, kv_bytes)
     seconds, kernel_seconds, others = _measure(model_dir, cfg, args)
     rows = []

@@ -13,7 +13,7 @@ import numpy as np
 from . import throughput
 from .core import (GEMM_SHAPE, PEAK_RSS, WORKER, Remote, decode_runs, dtype_name, gpt2numba_system, make_spec,
                    measure_floors, peer_settings, percent, prefill_runs, print_peer_settings, run_script, start_peer,
-                   system_rows, versus, versus_float32, wait_for_idle)
+                   system_rows, versus, versus_float32, wait_for_idle, weights_format)
 from .peers import transformers
 
 
@@ -23,7 +23,7 @@ def run(args, model_dir, w) -> dict:
     import gpt2numba as g
 
     report = {}
-    stored = {dtype: w.astype(dtype) for dtype in dict.fromkeys(("float32", *args.dtypes))}
+    stored = {dtype: w.astype(*weights_format(dtype)) for dtype in dict.fromkeys(("float32", *args.dtypes))}
     report["floors"] = floors = measure_floors(stored, args)
     if not args.no_throughput:
         floors.update(throughput.gemm_floors(w.config, args))
@@ -69,7 +69,8 @@ def _accuracy(g, stored, args):
             continue
         wc = stored[dtype]
         logits = [g.prefill(ids, wc, g.ModelCache(w.config, max_len=32)) for ids in prompts]
-        values = wc.dequantized()  # once, not in every oracle call
+        values = wc.dequantized() if wc.activations == "float32" else wc  # once, not in every oracle call (the
+        # oracle rounds bfloat16 activations' inputs: it needs them as they are)
         oracle = [g.recompute_logits(ids, values) for ids in prompts[:4]]  # float64 is slow: four
         result[dtype] = {
             "max_abs_diff_vs_oracle": max(float(np.abs(a - b).max()) for a, b in zip(logits, oracle)),
@@ -136,7 +137,7 @@ print(time.perf_counter() - t0)
 
 _OURS_RSS = """
 import sys, numpy as np, gpt2numba as g
-w = g.load_weights(sys.argv[1], dtype=sys.argv[2]); mc = g.ModelCache(w.config)
+w = g.load_weights(sys.argv[1], dtype=sys.argv[2], activations=sys.argv[3]); mc = g.ModelCache(w.config)
 ids = np.random.default_rng(0).integers(0, w.config.vocab_size, 512)
 token = int(g.prefill(ids, w, mc).argmax())
 for _ in range(128):
@@ -174,7 +175,7 @@ def _cold_start(model_dir, with_theirs):
 def _peak_rss(model_dir, with_theirs, cfg, dtypes):
     if cfg.n_positions < 640 or not os.path.exists("/proc/self/status"):
         return {}
-    result = {dtype_name(d): run_script(PEAK_RSS + _OURS_RSS, model_dir, d) for d in dtypes}
+    result = {dtype_name(d): run_script(PEAK_RSS + _OURS_RSS, model_dir, *weights_format(d)) for d in dtypes}
     if with_theirs:
         result["transformers"] = run_script(PEAK_RSS + _THEIRS_RSS, model_dir, peer=True)
     return result
