@@ -64,7 +64,8 @@ class Choices(NamedTuple):
     head_rows_max: int  # rows up to which the head is _rows_product, not BLAS
     int_rows_max: int  # int8 rows up to which intkernels._int_rows runs, not the tiles
     int4_rows_max: int  # the same for int4
-    bf16_dot_rows_max: int  # bfloat16 activations' rows up to which rowtiles' tiles run, not paneltiles (BF16_DOT)
+    bf16_dot_rows_max: int  # bfloat16 activations' rows up to which rowtiles' tiles run, not paneltiles (BF16_DOT),
+    # or without AVX512_BF16 BLAS on the rounded values
 
 
 def choose(features: frozenset[str] | None) -> Choices:
@@ -97,8 +98,8 @@ def choose(features: frozenset[str] | None) -> Choices:
         # against 33.6 (before four rows at once); AVX2: 7 rows 17.2 against 18.5; else 4: 3.0 against 3.1
         int4_rows_max=12 if 512 in nibble_vnni else 8 if nibble_vnni else 7 if byte_madd else 4,
         # AVX512_BF16 (Zen 4): 4 layers' matrices, 24 rows 7.3 ms in the tiles, 7.7 in panels; 32 rows 8.5 and
-        # 8.5; 48 rows 12.0 and 10.0 (without it the panels are never taken)
-        bf16_dot_rows_max=32,
+        # 8.5; 48 rows 12.0 and 10.0; without it, the tiles widen both operands, as bfloat16's few rows (not measured)
+        bf16_dot_rows_max=32 if madd_width == 32 and "avx512bf16" in f else 64 if avx512 else 7,
     )
 
 

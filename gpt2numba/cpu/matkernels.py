@@ -18,7 +18,7 @@ from . import inttiles, paneltiles
 from .rowtiles import TILE_OUTPUTS, TILE_ROWS, _tiles, _widen
 from .blas import _gemm
 from .chunks import _claimed, _span
-from .dispatch import BF16_DOT, ROW_CHUNKS, SERIAL_ROWS
+from .dispatch import ROW_CHUNKS, SERIAL_ROWS
 from .kernels import FASTMATH, _as_float32, _exp_inplace, _put, _to_bfloat16
 
 
@@ -156,7 +156,7 @@ def _widen_rows(wte, c0, c1, dense):
 
 
 def _head_work(inputs):
-    """One thread's buffers for _head_scores: a chunk of wte's rows widened (float formats), the tiles' sums
+    """One thread's buffers for _head_scores: a chunk of wte's rows widened (float formats), the panels
     (bfloat16 activations: inputs bfloat16 bits), or the integer tiles' buffers (inputs (xw, xs))."""
 
 
@@ -164,18 +164,16 @@ def _head_work(inputs):
 def _head_work_typed(inputs):
     if isinstance(inputs, types.BaseTuple):
         return lambda inputs: inttiles._chunk_buffers(inputs[0], inputs[1].shape[1])
-    if inputs.dtype == types.uint16 and BF16_DOT:
+    if inputs.dtype == types.uint16:  # (with AVX512_BF16 only: products.head_inputs)
         return lambda inputs: paneltiles._panel_buffers(inputs.shape[1])
-    if inputs.dtype == types.uint16:
-        return lambda inputs: np.empty(TILE_ROWS * TILE_OUTPUTS, np.float32)
     return lambda inputs: np.empty((HEAD_CHUNK, inputs.shape[1]), np.float32)
 
 
 def _head_scores(wte, scale, inputs, c0, c1, work, chunk):
     """chunk (R, c1 - c0) = the logits of vocabulary rows c0..c1-1: inputs @ W[c0:c1].T, W = wte
-    widened to float32 and one BLAS product; for bfloat16 activations (inputs bfloat16 bits) paneltiles' panels
-    with AVX512_BF16 (K even), else rowtiles' tiles; or for the integer formats (inputs = (xw, xs), as
-    inttiles.laid_out) the integer tiles, W read as stored."""
+    widened to float32 and one BLAS product; for bfloat16 activations (inputs bfloat16 bits, with AVX512_BF16)
+    paneltiles' panels; or for the integer formats (inputs = (xw, xs), as inttiles.laid_out) the integer tiles,
+    W read as stored."""
 
 
 @overload(_head_scores, inline="always")
@@ -186,12 +184,9 @@ def _head_scores_typed(wte, scale, inputs, c0, c1, work, chunk):
                 inttiles._chunk(inputs[0], inputs[1], chunk.shape[0], wte[c0:c1], scale[c0:c1], None, chunk,
                                 False, n0, work)
         return tiles
-    if inputs.dtype == types.uint16 and BF16_DOT:
+    if inputs.dtype == types.uint16:
         return lambda wte, scale, inputs, c0, c1, work, chunk: paneltiles._panels(wte[c0:c1], inputs, None, chunk,
                                                                                   False, 0, c1 - c0, work)
-    if inputs.dtype == types.uint16:
-        return lambda wte, scale, inputs, c0, c1, work, chunk: _tiles(wte[c0:c1], inputs, None, chunk, False, 0,
-                                                                      c1 - c0, work)
 
     def dense(wte, scale, inputs, c0, c1, work, chunk):
         _widen_rows(wte, c0, c1, work)

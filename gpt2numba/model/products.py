@@ -59,15 +59,17 @@ def product(x, matrix, scale, b, out, accumulate, work, n_chunks, few: bool):
     integer formats one dot product at a time (_int_matmul). Many rows: bfloat16 widened once, then BLAS;
     the integer formats in tiles of rows and outputs (inttiles). The integers' inputs are rounded to int8 per
     group either way. x as bfloat16 bits (bfloat16 activations, Workspace.rounded): _rows_product for a few
-    rows, paneltiles for many (with AVX512_BF16; else _rows_product).
+    rows, paneltiles for many with AVX512_BF16, else x's values as bfloat16 weights' many rows take float32's.
     """
     T, K = x.shape
     if x.dtype == np.uint16:  # bfloat16 activations: x rounded (bits), the matrix bfloat16
-        if few or not dispatch.BF16_DOT:
+        if few:
             _rows_product(matrix, x, b, out, accumulate, n_chunks)
-        else:
+            return
+        if dispatch.BF16_DOT:
             paneltiles._panel_product(matrix, x, b, out, accumulate, n_chunks)
-        return
+            return
+        x = compact.from_bfloat16(x)  # no bfloat16 instructions: the rounded values multiplied as bfloat16's are
     if scale is not None:
         if few:
             xq, xs = work.quantized(T, K)
@@ -105,9 +107,11 @@ def head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, n_chunks: int
 def head(wte, h, logits, n_chunks, few: bool) -> None:
     """logits = h @ wte.T for wte float32 or bfloat16: the few-rows kernel, or _head's (BLAS, a span of the
     vocabulary a chunk); h bfloat16 bits (bfloat16 activations): as product."""
-    if h.dtype == np.uint16:
+    if h.dtype == np.uint16 and (few or dispatch.BF16_DOT):
         product(h, wte, None, None, logits, False, None, n_chunks, few)
-    elif few:
+        return
+    h = compact.from_bfloat16(h) if h.dtype == np.uint16 else h
+    if few:
         _rows_product(wte, h, None, logits, False, n_chunks)
     else:
         _head(wte, h, logits, n_chunks)
@@ -116,9 +120,11 @@ def head(wte, h, logits, n_chunks, few: bool) -> None:
 def head_inputs(w: GPT2Weights, h: np.ndarray):
     """The rows as the scoring head takes them (matkernels._head_log_softmax): h itself, or for the
     integer formats h quantised and laid out for the integer tiles (inttiles.laid_out), as every
-    integer product multiplies them; with bfloat16 activations h rounded to bfloat16 (bits)."""
+    integer product multiplies them; with bfloat16 activations h rounded to bfloat16: bits for paneltiles
+    (AVX512_BF16), else their values for BLAS."""
     if w.activations == "bfloat16":
-        return compact.to_bfloat16(h)
+        bits = compact.to_bfloat16(h)
+        return bits if dispatch.BF16_DOT else compact.from_bfloat16(bits)
     return inttiles.laid_out(h) if w.scales else h
 
 
