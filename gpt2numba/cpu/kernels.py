@@ -155,26 +155,39 @@ def _cache_of_typed(caches, b):
     return lambda caches, b: caches[b]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _write_kv(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half):
     """Copy the keys and values of every new row into one layer of its sequence's own cache.
 
     qkv: (N, 3C) rows [q | k | v]; ks, vs, runs, run0: the stores and each sequence's runs (the module's
     docstring), float32, or uint16 bits of float16 (``half``) or bfloat16 (not ``half``), rounded to nearest
     even; row0: (B + 1,); pos0: (B,); written: (B, n_layer) int64, where
-    written[b, layer] becomes the positions this layer now holds for sequence b.
+    written[b, layer] becomes the positions this layer now holds for sequence b. Past SERIAL_ROWS rows the
+    heads are copied in parallel (each head's rows are a region of their own in every cache).
     """
-    H, D = _cache_of(ks, 0).shape[1], _cache_of(ks, 0).shape[3]
-    C = H * D
+    H = _cache_of(ks, 0).shape[1]
+    if row0[-1] <= SERIAL_ROWS:
+        for h in range(H):
+            _write_head(qkv, ks, vs, runs, run0, row0, pos0, layer, h, half)
+    else:
+        for h in prange(H):
+            _write_head(qkv, ks, vs, runs, run0, row0, pos0, layer, h, half)
+    for b in range(pos0.size):
+        written[b, layer] = pos0[b] + row0[b + 1] - row0[b]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _write_head(qkv, ks, vs, runs, run0, row0, pos0, layer, h, half):
+    """_write_kv's copy of head h's keys and values."""
+    D = _cache_of(ks, 0).shape[3]
+    C = _cache_of(ks, 0).shape[1] * D
     for b in range(pos0.size):
         own = runs[run0[b + 1] - 1, 0]  # the last run: the sequence's own cache, rows at their positions
         k, v = _cache_of(ks, own), _cache_of(vs, own)
         for i in range(row0[b], row0[b + 1]):
             pos = pos0[b] + i - row0[b]
-            for h in range(H):
-                _store_row(qkv[i, C + h * D: C + (h + 1) * D], k[layer, h, pos], half)
-                _store_row(qkv[i, 2 * C + h * D: 2 * C + (h + 1) * D], v[layer, h, pos], half)
-        written[b, layer] = pos0[b] + row0[b + 1] - row0[b]
+            _store_row(qkv[i, C + h * D: C + (h + 1) * D], k[layer, h, pos], half)
+            _store_row(qkv[i, 2 * C + h * D: 2 * C + (h + 1) * D], v[layer, h, pos], half)
 
 
 # --- a compact cache's formats: float16 and bfloat16, stored as their uint16 bits -------------------
