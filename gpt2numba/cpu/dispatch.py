@@ -13,6 +13,8 @@ on the CPUs that matter (tests/test_dispatch.py holds choose() to this table):
     SSE2 or AVX                        3           7             10            10             4       pmaddwd, 128 bits
     not x86                           64          64             64            10             4       generic vectors
 
+bf16_dot_rows_max, where bfloat16 activations' products leave rowtiles' tiles for paneltiles' panels, is 32
+with AVX512_BF16 (where `vdpbf16ps` multiplies them) and BF16_ROWS_MAX's value elsewhere.
 Each number's measurement is one line beside it, in full in docs/performance.md, "Thresholds" (2 vCPUs,
 GPT-2 small's matrices). `gpt2numba tune` measures the row thresholds on the CPU it runs on and writes
 them to a file (tuning.py) whose values replace this table's here, at import; DEFAULTS keeps the table's.
