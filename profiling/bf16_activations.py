@@ -82,9 +82,9 @@ def _busy() -> float:
 def _run(python, script, ckpt, repeat, out, formats):
     """(figures, others' CPU share) of one system's process."""
     b0, t0, r0 = _busy(), time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    env = None if python == sys.executable else {**os.environ, "PYTHONPATH": ""}  # (a peer: none of ours)
     done = subprocess.run([python, "-c", script, str(ckpt), str(repeat), str(out), ",".join(formats)],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""} if python != sys.executable
-                          else None)
+                          capture_output=True, text=True, env=env)
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode:
         raise SystemExit(f"{python} failed: {done.stderr.strip()[-2000:]}")
@@ -128,8 +128,9 @@ def main() -> int:
     formats_of = {name: formats for name, _, _, formats in systems}
     for name, arrays in acc.items():
         for f in (f for f in formats_of[name] if f != "float32"):
-            print(f"{name} {f}: max |logit - float32| {np.abs(arrays[f'logits {f}'] - arrays['logits float32']).max():.4f}, "
-                  f"|log-probability - float32| {np.abs(arrays[f'logprobs {f}'] - arrays['logprobs float32']).max():.4f}")
+            logit, logprob = (float(np.abs(arrays[f"{kind} {f}"] - arrays[f"{kind} float32"]).max())
+                              for kind in ("logits", "logprobs"))
+            print(f"{name} {f}: max |logit - float32| {logit:.4f}, |log-probability - float32| {logprob:.4f}")
     return 0
 
 

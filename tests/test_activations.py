@@ -88,8 +88,9 @@ def test_products_in_panels(V, H, R, bias, accumulate, n_chunks, seed):
 
 
 def test_the_model_matches_the_oracle(tiny):
-    """Prefill over a few rows and past a block of 64, chunks, decode steps, every position's logits and
-    ragged batches, each against the oracle that rounds every product's inputs as the engine does."""
+    """Prefill over a few rows and past the tiles' 32 (panels, or BLAS without AVX512_BF16), chunks, decode
+    steps, every position's logits and ragged batches, each against the oracle that rounds every product's
+    inputs as the engine does."""
     w = bf16(tiny)
     ids = np.random.default_rng(0).integers(0, TINY.vocab_size, TINY.n_positions)
     helpers.check_chunks(ids, [5, 6, 7, 40], w, "bfloat16 activations")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import gpt2numba as g
 from conftest import TINY, TINY_GPT2
-from gpt2numba.model import compact, oracle
+from gpt2numba.model import oracle
 from helpers import LENGTHS, check_batch_rounds, check_generate_batch
 from test_prefill import prompts
 
@@ -45,15 +45,16 @@ def test_ragged_batches_gpt2_small(small, plans, data):
     check_batch_rounds(plans, small, "small batch", data.draw(st.randoms(use_true_random=False)))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4", "bfloat16 activations"])
 def test_batch_rows_equal_single_sequence_rows(tiny, rng, dtype):
     """prefill_batch and decode_batch rows equal prefill and decode_step on their own, to 1e-5.
 
     The integer formats' 63-row batch goes through BLAS and the sequences alone through the
-    integer kernels: equal up to inputs on a rounding tie (see oracle.ATOL_INTEGER).
+    integer kernels, and bfloat16 activations' through the panels against the tiles and one row's
+    dot products: equal up to inputs on a rounding tie (see oracle.tolerance).
     """
-    w = tiny.astype(dtype)
-    atol = oracle.ATOL_INTEGER if dtype in compact.INTEGER else 1e-5
+    w = tiny.astype("bfloat16", "bfloat16") if dtype == "bfloat16 activations" else tiny.astype(dtype)
+    atol = oracle.tolerance(w) if oracle.rounds_inputs(w) else 1e-5
     seqs = [rng.integers(0, TINY.vocab_size, n) for n in (1, 5, 40, 17)]
     batch = [g.ModelCache(TINY) for _ in seqs]
     alone = [g.ModelCache(TINY) for _ in seqs]

@@ -28,7 +28,8 @@ from conftest import TINY
 out = {"features": sorted(dispatch.FEATURES) if dispatch.FEATURES is not None else None,
        "choices": dispatch.CHOICES._asdict()}
 rng = np.random.default_rng(0)
-for name, dtype, kv, act in (("float32", "float32", "float32", "float32"), ("bfloat16", "bfloat16", "float32", "float32"),
+for name, dtype, kv, act in (("float32", "float32", "float32", "float32"),
+                             ("bfloat16", "bfloat16", "float32", "float32"),
                              ("int8", "int8", "float32", "float32"), ("int4", "int4", "float32", "float32"),
                              ("float16 cache", "float32", "float16", "float32"),
                              ("bfloat16 activations", "bfloat16", "float32", "bfloat16")):

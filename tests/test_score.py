@@ -35,7 +35,7 @@ def check_score(ids, w, label, record=True):
     diff = float(np.abs(s.logprobs - expected).max()) if len(ids) > 1 else 0.0
     if record:  # (logits in the hundreds differ from float64 in absolute terms, as float32 does)
         helpers.record_diff(f"{label} log-probabilities, {len(ids)} tokens", diff)
-    atol = 1e-4 if oracle.tolerance(w) == oracle.ATOL else oracle.tolerance(w)  # rounded inputs: see oracle
+    atol = oracle.tolerance(w) if oracle.rounds_inputs(w) else 1e-4  # rounded inputs: see oracle.tolerance
     np.testing.assert_allclose(s.logprobs, expected, atol=atol, rtol=1e-6)  # rtol: float32 logits in the hundreds
     np.testing.assert_array_equal(s.greedy, ref.argmax(axis=1) == ids[1:])
     assert s.n_tokens == len(ids) - 1 and s.nll == pytest.approx(-expected.sum(), abs=1e-3)

@@ -140,16 +140,15 @@ def test_the_file_keeps_its_mode_and_its_link(tuning_file, tmp_path):
     assert tuning.load(MACHINE).values == {"rows_max": 6}
 
 
-_PANELS = pytest.mark.skipif(not dispatch.BF16_DOT, reason="no AVX512_BF16: bfloat16 activations take the tiles")
-
-
 @pytest.mark.parametrize("dtype, threshold, few, many", [
     ("float32", "ROWS_MAX", "_rows_product", "_linear"), ("bfloat16", "BF16_ROWS_MAX", "_rows_product", "_linear"),
     ("int8", "INT_ROWS_MAX", "_int_matmul", "_tiles_matmul"), ("int4", "INT4_ROWS_MAX", "_int_matmul", "_tiles_matmul"),
     ("float32", "HEAD_ROWS_MAX", "_rows_product", "_head"),
-    pytest.param("bfloat16 activations", "BF16_DOT_ROWS_MAX", "_rows_product", "_panel_product", marks=_PANELS),
-    pytest.param("bfloat16 activations", "BF16_DOT_ROWS_MAX", "_rows_product", "_panel_product", marks=_PANELS,
-                 id="bfloat16 activations' head"),
+    # bfloat16 activations: many rows in panels with AVX512_BF16, else BLAS on the rounded values
+    ("bfloat16 activations", "BF16_DOT_ROWS_MAX", "_rows_product",
+     "_panel_product" if dispatch.BF16_DOT else "_linear"),
+    pytest.param("bfloat16 activations", "BF16_DOT_ROWS_MAX", "_rows_product",
+                 "_panel_product" if dispatch.BF16_DOT else "_head", id="bfloat16 activations' head"),
 ])
 def test_products_follow_the_thresholds(monkeypatch, request, dtype, threshold, few, many):
     """The kernel a product takes changes where dispatch's value says, read at every call (what a tuning sets)."""

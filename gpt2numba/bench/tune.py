@@ -31,7 +31,7 @@ ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the row counts tried (within t
 FORMATS = {"rows_max": "float32", "bf16_rows_max": "bfloat16", "int_rows_max": "int8", "int4_rows_max": "int4",
            "head_rows_max": "head", "bf16_dot_rows_max": "bfloat16 activations"}
 # (each of tuning.TUNABLE -> the products it is measured on: the head's wte in float32; bfloat16 activations:
-# bfloat16 matrices and inputs, rowtiles' tiles against paneltiles' panels, measured only with AVX512_BF16)
+# bfloat16 matrices and rounded inputs, rowtiles' tiles against paneltiles' panels, or BLAS without AVX512_BF16)
 
 
 def run(args) -> int:
@@ -47,9 +47,6 @@ def run(args) -> int:
     values = {k: v for k, v in dispatch.TUNING.values.items() if k not in names}
     measured = dict(dispatch.TUNING.entry.get("measured", {}))
     for name in names:
-        if FORMATS[name] == "bfloat16 activations" and not dispatch.BF16_DOT:
-            print(f"{name}: not measured: this CPU has no AVX512_BF16, and its products take the tiles however many rows")
-            continue
         runs = _products(FORMATS[name], args.layers, threads)
         value, figures = _threshold(runs, args.repeat)
         values[name], measured[name] = value, figures
@@ -129,12 +126,14 @@ def _products(fmt: str, layers: int, threads: int):
         work = products.workspace(w, rows, threads) if w is not None else None
         data = [(m, s, b, rng.standard_normal((rows, _inputs(m, fmt)), dtype=np.float32),
                  np.empty((rows, m.shape[0]), np.float32)) for m, s, b in jobs]
-        if fmt == "bfloat16 activations":  # the inputs rounded, as a pass rounds them
-            data = [(m, s, b, compact.to_bfloat16(x), out) for m, s, b, x, out in data]
+        runs_of = {few: data for few in (True, False)}
+        if fmt == "bfloat16 activations":  # the inputs rounded as a pass rounds them: bits or values (as_bits)
+            runs_of = {few: [(m, s, b, work.rounded(x, products.as_bits(few)).copy(), out)
+                             for m, s, b, x, out in data] for few in (True, False)}
 
         def kernel(few):
             def go():
-                for m, s, b, x, out in data:
+                for m, s, b, x, out in runs_of[few]:
                     if fmt == "head":
                         products.head(m, x, out, n_chunks, few=few)
                     else:

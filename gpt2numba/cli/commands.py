@@ -19,11 +19,11 @@ from ..argtypes import in_range
 from ..cpu.tuning import TUNABLE
 from ..errors import ConfigError, GPT2NumbaError
 from ..model import forward
-from ..model.compact import ACTIVATIONS, DTYPES, INTEGER
+from ..model.compact import ACTIVATIONS, DTYPES
 from ..model.forward import decode_batch, decode_step, prefill, prefill_batch
 from ..model.kvcache import KV_DTYPES, ModelCache
 from ..model.models import RANDOM_NAME, RANDOM_NOTE, resolve_model  # resolve_model re-exported: gpt2numba.cli's
-from ..model.oracle import RTOL, agreement, recompute_logits, tolerance
+from ..model.oracle import RTOL, agreement, recompute_logits, rounds_inputs, tolerance
 from ..text.documents import field_of, split
 from ..text.report import REPORT_DOCUMENTS
 from ..serve.config import ServeConfig, flags as serve_flags  # (no web framework)
@@ -385,7 +385,8 @@ def _check(args) -> int:
           f"vocab {cfg.vocab_size}, {w.dtype}{', bfloat16 activations' * (w.activations == 'bfloat16')}; "
           f"loaded in {time.perf_counter() - t0:.2f} s")
     if w.dtype != "float32":
-        print(f"(compared with the oracle run on the float32 values the {w.dtype} weights stand for)")
+        print(f"(compared with the oracle run on the float32 values the {w.dtype} weights stand for"
+              f"{', rounding every product input as they do' if rounds_inputs(w) else ''})")
     if args.kv_dtype != "float32":
         print(f"(a {args.kv_dtype} cache: the engine reads K and V rounded, the oracle does not round them)")
     if args.prompt_len + args.decode > cfg.n_positions:
@@ -441,7 +442,7 @@ def _check(args) -> int:
     alone = [np.stack([steps[i] for _, steps, *_ in runs]) for i in range(len(batch_steps))]  # (B, V) per step
     gap = max(float(np.abs(batch - ref).max()) for batch, ref in zip(batch_steps, alone))
     ok = all(agreement(b, r, w)[0] for batch, ref in zip(batch_steps, alone) for b, r in zip(batch, ref)) and (
-        gap <= 1e-4 or w.dtype in INTEGER or w.activations == "bfloat16")  # rounded inputs: a batch may round a tie the other way
+        gap <= 1e-4 or rounds_inputs(w))  # rounded inputs: a batch may round a tie the other way
     failures += not ok
     B = len(prompts)
     decode_rate = f"{B / np.median(batch_decode_s):.0f} tokens/s" if batch_decode_s else "-"

@@ -79,17 +79,19 @@ def choose(features: frozenset[str] | None) -> Choices:
     nibble_vnni = ((256, 512) if "avx512vnni" in f else (256,)) if GROUP == 32 and vnni_256 else ()
     tile_vnni = 512 if madd_width == 32 and "avx512vnni" in f else 256 if madd_width == 16 and vnni_256 else 0
     avx512 = features is None or "avx512f" in f  # (off x86, unmeasured: as AVX-512)
+    bf16_dot = madd_width == 32 and "avx512bf16" in f
+    bf16_rows_max = 64 if avx512 else 7
     # Each threshold's measurement in one line; in full in docs/performance.md, "Thresholds".
     return Choices(
         f16c=features is None or "f16c" in f,  # (ARM converts half floats in instructions)
         madd_width=madd_width, byte_madd=byte_madd, nibble_vnni=nibble_vnni, tile_vnni=tile_vnni,
-        bf16_dot=madd_width == 32 and "avx512bf16" in f,
+        bf16_dot=bf16_dot,
         # AVX2: BLAS took 0.88x the kernel's time at 2 rows, 1.04-1.08x at 3, 0.93-0.97x at 4 (the kernel before the
         # tiles, on the matrix [in, out]; not measured since on AVX2); AVX-512: 64 won
         rows_max=64 if avx512 else 3,
         # AVX2: BLAS on the widened matrix took 1.25x the kernel's time at 4 rows, 1.17x at 6, 0.97x at 8 (the kernel
         # before bfloat16 was kept [out, in]); AVX-512: 8.0-8.2 ms a layer at 64 rows, BLAS 10.3 at 80
-        bf16_rows_max=64 if avx512 else 7,
+        bf16_rows_max=bf16_rows_max,
         # AVX2: BLAS took 1.01-1.02x at 8 rows, 0.97-1.02x at 12 (before the tiles); AVX-512, the tiles: BLAS took
         # 1.68x their time at 16 rows, 1.28x at 32, 1.02x at 64 in float32, 2.32x, 1.73x, 1.31x in bfloat16
         head_rows_max=64 if avx512 else 10,
@@ -100,8 +102,8 @@ def choose(features: frozenset[str] | None) -> Choices:
         # against 33.6 (before four rows at once); AVX2: 7 rows 17.2 against 18.5; else 4: 3.0 against 3.1
         int4_rows_max=12 if 512 in nibble_vnni else 8 if nibble_vnni else 7 if byte_madd else 4,
         # AVX512_BF16 (Zen 4): 4 layers' matrices, 24 rows 7.3 ms in the tiles, 7.7 in panels; 32 rows 8.5 and
-        # 8.5; 48 rows 12.0 and 10.0; without it, the tiles widen both operands, as bfloat16's few rows (not measured)
-        bf16_dot_rows_max=32 if madd_width == 32 and "avx512bf16" in f else 64 if avx512 else 7,
+        # 8.5; 48 rows 12.0 and 10.0; without it, tiles that widen both operands against BLAS, as bfloat16's own
+        bf16_dot_rows_max=32 if bf16_dot else bf16_rows_max,
     )
 
 
@@ -128,7 +130,8 @@ def describe_bf16() -> str:
     """How products with bfloat16 activations multiply here: for `gpt2numba check`."""
     if BF16_DOT:
         return "vdpbf16ps (AVX512_BF16), 32 products into 16 float32 sums an instruction"
-    return "widened to float32 in registers, float32 multiply-adds (this CPU has no AVX512_BF16 with AVX-512)"
+    return ("widened to float32 in registers for a few rows, BLAS on the rounded values for many "
+            "(this CPU has no AVX512_BF16 with AVX-512)")
 
 
 def describe_tuning() -> str:

@@ -11,7 +11,7 @@ Every parallel kernel hands out its chunks from an atomic counter (chunks.py).
 import math
 
 import numpy as np
-from numba import njit, prange, types
+from numba import errors, njit, prange, types
 from numba.extending import overload
 
 from . import inttiles, paneltiles
@@ -69,9 +69,9 @@ def _rows_product(w, x, b, out, accumulate, n_chunks):
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _dot_rows(w, x, b, out, accumulate, start, end):
-    """out[0, v] (+)= W[v] . X[0] (+ b[v]) for v in start..end-1, W = widen(w), X = widen(x). For float32 it streamed GPT-2
-    small's wte in 4.34 ms where BLAS's matrix-vector product per chunk took 5.59 (2 threads, AMD EPYC Zen 4,
-    alternating, medians of 15)."""
+    """out[0, v] (+)= W[v] . X[0] (+ b[v]) for v in start..end-1, W = widen(w), X = widen(x). For float32 it
+    streamed GPT-2 small's wte in 4.34 ms where BLAS's matrix-vector product per chunk took 5.59 (2 threads, AMD
+    EPYC Zen 4, alternating, medians of 15)."""
     K = x.shape[1]
     for v in range(start, end):
         row = w[v]
@@ -83,8 +83,8 @@ def _dot_rows(w, x, b, out, accumulate, start, end):
 
 @njit(cache=True, nogil=True, parallel=True)
 def _round_bf16(x, out):
-    """out = x rounded to bfloat16 (bits, uint16; to nearest, ties to even): bfloat16 activations' inputs to a product.
-    x: float32 (T, K); out: uint16 (T, K)."""
+    """out = x rounded to bfloat16 (to nearest, ties to even): bfloat16 activations' inputs to a product. x:
+    float32 (T, K); out: (T, K) uint16, the bits, or float32, their values (for BLAS)."""
     T = x.shape[0]
     if T <= SERIAL_ROWS:  # (a parallel region's barrier costs more than these rows)
         for t in range(T):
@@ -97,7 +97,18 @@ def _round_bf16(x, out):
 @njit(cache=True, nogil=True, inline="always")
 def _round_row(x, out):
     for k in range(x.shape[0]):
-        out[k] = _to_bfloat16(x[k])
+        out[k] = _as_stored(_to_bfloat16(x[k]), out)
+
+
+def _as_stored(bits, out):
+    """bfloat16 ``bits`` as an element of ``out``: themselves (uint16), or their value (float32)."""
+
+
+@overload(_as_stored, inline="always")
+def _as_stored_typed(bits, out):
+    if out.dtype == types.uint16:
+        return lambda bits, out: bits
+    return lambda bits, out: _as_float32(np.uint32(bits) << 16)
 
 
 # Vocabulary rows per step of the head over several rows: a (HEAD_CHUNK, C) slice
@@ -164,7 +175,8 @@ def _head_work(inputs):
 def _head_work_typed(inputs):
     if isinstance(inputs, types.BaseTuple):
         return lambda inputs: inttiles._chunk_buffers(inputs[0], inputs[1].shape[1])
-    if inputs.dtype == types.uint16:  # (with AVX512_BF16 only: products.head_inputs)
+    if inputs.dtype == types.uint16:
+        _needs_panels()
         return lambda inputs: paneltiles._panel_buffers(inputs.shape[1])
     return lambda inputs: np.empty((HEAD_CHUNK, inputs.shape[1]), np.float32)
 
@@ -185,6 +197,7 @@ def _head_scores_typed(wte, scale, inputs, c0, c1, work, chunk):
                                 False, n0, work)
         return tiles
     if inputs.dtype == types.uint16:
+        _needs_panels()
         return lambda wte, scale, inputs, c0, c1, work, chunk: paneltiles._panels(wte[c0:c1], inputs, None, chunk,
                                                                                   False, 0, c1 - c0, work)
 
@@ -192,6 +205,13 @@ def _head_scores_typed(wte, scale, inputs, c0, c1, work, chunk):
         _widen_rows(wte, c0, c1, work)
         _gemm(inputs, work[: c1 - c0], chunk, True)
     return dense
+
+
+def _needs_panels():
+    """bfloat16 bits reach the scoring head only with AVX512_BF16 (products.head_inputs): else a typing error,
+    never the instruction on a CPU without it."""
+    if not paneltiles.BF16_DOT:
+        raise errors.TypingError("bfloat16 inputs to the head need AVX512_BF16 (products.head_inputs)")
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)

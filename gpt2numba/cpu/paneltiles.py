@@ -11,8 +11,8 @@ none reduced across lanes. The panels (PANELS x 16 rows of W, 48 KB at K = 768) 
 every row of X streams past them; X's rows are read 4 bytes at a time, in order.
 
 A row's sums are taken in the same order whatever the tile and the thread: the same bits for a row
-however many come with it. Only with AVX512_BF16 (dispatch.BF16_DOT); private and unchecked, as the
-other kernels.
+however many come with it. Only with AVX512_BF16 (BF16_DOT; model/products.py decides); private and
+unchecked, as the other kernels.
 """
 
 import numpy as np
@@ -21,6 +21,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from .chunks import _claimed, _span
+from .dispatch import BF16_DOT
 from .intkernels import _llvm
 from .kernels import _put
 
@@ -51,7 +52,8 @@ def _pack(w, n0, panels):
                 h0 += LANES
         for h in range(h0, H):
             for i in range(LANES):
-                pairs[base + h * LANES + i] = (np.uint32(w[first + i, 2 * h]) | (np.uint32(w[first + i, 2 * h + 1]) << 16)
+                n = first + i
+                pairs[base + h * LANES + i] = (np.uint32(w[n, 2 * h]) | (np.uint32(w[n, 2 * h + 1]) << 16)
                                                if i < count else 0)
 
 

@@ -11,6 +11,10 @@ outputs at a time and, for each, every tile of rows: W's rows stream from memory
 next tile's fetched while this one's are multiplied), and x's rows stay in cache. Measured in
 docs/performance.md, "A few rows in tiles".
 
+x may be bfloat16 bits too (bfloat16 activations, with W's bfloat16): with AVX512_BF16 a step is then
+2 x LANES inputs, one vdpbf16ps a pair of rows (it multiplies 32 pairs of bfloat16 into 16 float32
+sums); without it both operands are widened in registers.
+
 Written in LLVM's vector IR, as intkernels.py, so that the sums stay in registers: the tile's
 geometry follows the vector width dispatch.py found (16 lanes and 4 x 4 sums with AVX-512, 8 lanes and
 4 x 2 with AVX2, 4 lanes and 4 x 2 with SSE2, 8 lanes and 4 x 2 off x86). Private and unchecked, as
@@ -29,7 +33,6 @@ from .kernels import _as_float32, _put
 LANES = MADD_WIDTH // 2 if MADD_WIDTH else 8  # float32 lanes of the widest vector (int16 lanes / 2)
 TILE_ROWS = 4  # rows of x per tile
 TILE_OUTPUTS = 4 if LANES >= 16 else 2  # rows of W per tile: 16 sums in 32 zmm registers; 8 in 16 ymm
-BLOCK_ROWS = 64  # rows of x a thread takes at a time: their tiles run against its span of W, x's block in L2
 
 
 def _widen(v):
@@ -174,20 +177,18 @@ def _lane_sums(builder, vectors):
 
 @njit(cache=True, nogil=True)
 def _tiles(w, x, b, out, accumulate, start, end, sums):
-    """out[:, v] (+)= X @ W[v].T (+ b[v]) for v in start..end-1, W = widen(w), X = widen(x), in tiles: for each
-    block of BLOCK_ROWS rows, every tile of its rows for each tile of outputs. w: (N, K); x: (T, K); b: (N,) or
-    None; out: (T, N); sums: float32 (TILE_ROWS * TILE_OUTPUTS,), the thread's."""
+    """out[:, v] (+)= X @ W[v].T (+ b[v]) for v in start..end-1, W = widen(w), X = widen(x), in tiles: every tile
+    of rows for each tile of outputs. w: (N, K); x: (T, K); b: (N,) or None; out: (T, N); sums: float32
+    (TILE_ROWS * TILE_OUTPUTS,), the thread's."""
     T, K = x.shape
     Kv = K - K % _step(x)
-    for t1 in range(0, T, BLOCK_ROWS):
-        t2 = min(T, t1 + BLOCK_ROWS)
-        for v0 in range(start, end, TILE_OUTPUTS):
-            for t0 in range(t1, t2, TILE_ROWS):
-                _tile_sums(w, x, v0, end, t0, t2, sums)
-                for r in range(min(TILE_ROWS, t2 - t0)):
-                    for n in range(min(TILE_OUTPUTS, end - v0)):
-                        s = sums[r * TILE_OUTPUTS + n]
-                        for k in range(Kv, K):  # the inputs past the last whole step
-                            s += _widen(x[t0 + r, k]) * _widen(w[v0 + n, k])
-                        _put(out, t0 + r, v0 + n, s, b, accumulate)
+    for v0 in range(start, end, TILE_OUTPUTS):
+        for t0 in range(0, T, TILE_ROWS):
+            _tile_sums(w, x, v0, end, t0, T, sums)
+            for r in range(min(TILE_ROWS, T - t0)):
+                for n in range(min(TILE_OUTPUTS, end - v0)):
+                    s = sums[r * TILE_OUTPUTS + n]
+                    for k in range(Kv, K):  # the inputs past the last whole step
+                        s += _widen(x[t0 + r, k]) * _widen(w[v0 + n, k])
+                    _put(out, t0 + r, v0 + n, s, b, accumulate)
 

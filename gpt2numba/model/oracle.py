@@ -90,9 +90,16 @@ ATOL_INTEGER = 0.1
 ATOL_BFLOAT16_INPUTS = 0.03
 
 
+def rounds_inputs(w: GPT2Weights) -> bool:
+    """Whether weights ``w`` round their products' inputs (the integer formats, bfloat16 activations)."""
+    return w.dtype in INTEGER or w.activations == "bfloat16"
+
+
 def tolerance(w: GPT2Weights) -> float:
     """The absolute tolerance of the logits of weights ``w`` against these."""
-    return ATOL_INTEGER if w.dtype in INTEGER else ATOL_BFLOAT16_INPUTS if w.activations == "bfloat16" else ATOL
+    if not rounds_inputs(w):
+        return ATOL
+    return ATOL_INTEGER if w.dtype in INTEGER else ATOL_BFLOAT16_INPUTS
 
 
 def agreement(logits, ref, w: GPT2Weights) -> tuple[bool, str]:

@@ -5,10 +5,10 @@ Every product reads its matrix as stored, [out, in]: float32 as is and bfloat16 
 few rows (matkernels, rowtiles), or through BLAS for many (bfloat16 widened once into a dense buffer); int8 and
 int4 in integers (intkernels for a few rows, inttiles' tiles for more), the inputs rounded to int8
 per group. The thresholds between them are dispatch.py's, read at every call (a tuning's, if any).
-With bfloat16 activations every product's inputs are rounded to bfloat16 (bits, uint16): one row widened in
-registers (matkernels._dot_rows, which the read of the matrix bounds), a few in rowtiles' tiles (vdpbf16ps
-along K where the CPU has it, else widened), more in paneltiles' panels (vdpbf16ps across outputs; on a CPU
-without it, rowtiles' tiles, however many).
+With bfloat16 activations every product's inputs are rounded to bfloat16: one row widened in registers
+(matkernels._dot_rows, which the read of the matrix bounds), a few in rowtiles' tiles (vdpbf16ps along K
+where the CPU has it, else widened), more in paneltiles' panels (vdpbf16ps across outputs) or, on a CPU
+without AVX512_BF16, through BLAS as bfloat16 weights' many rows go, on the rounded values (as_bits).
 """
 
 from __future__ import annotations
@@ -33,12 +33,19 @@ from .weights import GPT2Weights
 def matmul(x, field, layer, b, out, accumulate, w, work, n_chunks):
     """out (+)= x @ (layer's matrix ``field``) + b, whatever the matrix's storage."""
     matrix = getattr(w, field)[layer]
+    few = x.shape[0] <= rows_max(w.dtype, w.activations)
     if w.activations == "bfloat16":
-        x = work.rounded(x)
+        x = work.rounded(x, as_bits(few))
     elif w.dtype == "float32":
         matrix = compact.to_rows(field, matrix)  # [out, in] as kept (float32's field is a view [in, out] of it)
     scale = w.scales[field][layer] if w.scales else None
-    product(x, matrix, scale, b, out, accumulate, work, n_chunks, few=x.shape[0] <= rows_max(w.dtype, w.activations))
+    product(x, matrix, scale, b, out, accumulate, work, n_chunks, few)
+
+
+def as_bits(few: bool) -> bool:
+    """Whether bfloat16 activations' rounded inputs go to a product as bits (a few rows: rowtiles; many with
+    AVX512_BF16: paneltiles) or as their float32 values (many rows without it: BLAS)."""
+    return few or dispatch.BF16_DOT
 
 
 def rows_max(dtype: str, activations: str = "float32") -> int:
@@ -58,18 +65,16 @@ def product(x, matrix, scale, b, out, accumulate, work, n_chunks, few: bool):
     A few rows read the matrix itself: float32 as is and bfloat16 widened in registers (_rows_product), the
     integer formats one dot product at a time (_int_matmul). Many rows: bfloat16 widened once, then BLAS;
     the integer formats in tiles of rows and outputs (inttiles). The integers' inputs are rounded to int8 per
-    group either way. x as bfloat16 bits (bfloat16 activations, Workspace.rounded): _rows_product for a few
-    rows, paneltiles for many with AVX512_BF16, else x's values as bfloat16 weights' many rows take float32's.
+    group either way. x as bfloat16 bits (bfloat16 activations, as_bits): _rows_product for a few rows,
+    paneltiles for many.
     """
     T, K = x.shape
-    if x.dtype == np.uint16:  # bfloat16 activations: x rounded (bits), the matrix bfloat16
+    if x.dtype == np.uint16:  # bfloat16 activations' rounded inputs as bits (as_bits), the matrix bfloat16
         if few:
             _rows_product(matrix, x, b, out, accumulate, n_chunks)
-            return
-        if dispatch.BF16_DOT:
+        else:
             paneltiles._panel_product(matrix, x, b, out, accumulate, n_chunks)
-            return
-        x = compact.from_bfloat16(x)  # no bfloat16 instructions: the rounded values multiplied as bfloat16's are
+        return
     if scale is not None:
         if few:
             xq, xs = work.quantized(T, K)
@@ -94,8 +99,8 @@ def head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, n_chunks: int
     formats multiply in integers, as the block matrices (product)."""
     R, C = h.shape
     if w.activations == "bfloat16":
-        bits = workspace(w, R, numba.get_num_threads()).rounded(h)
-        head(w.wte, bits, logits, n_chunks, few=R <= dispatch.BF16_DOT_ROWS_MAX)
+        few = R <= dispatch.BF16_DOT_ROWS_MAX
+        head(w.wte, workspace(w, R, numba.get_num_threads()).rounded(h, as_bits(few)), logits, n_chunks, few)
     elif w.scales:
         work = workspace(w, R, numba.get_num_threads())
         fmt = compact.format_of("wte", w.dtype)
@@ -107,11 +112,9 @@ def head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, n_chunks: int
 def head(wte, h, logits, n_chunks, few: bool) -> None:
     """logits = h @ wte.T for wte float32 or bfloat16: the few-rows kernel, or _head's (BLAS, a span of the
     vocabulary a chunk); h bfloat16 bits (bfloat16 activations): as product."""
-    if h.dtype == np.uint16 and (few or dispatch.BF16_DOT):
+    if h.dtype == np.uint16:
         product(h, wte, None, None, logits, False, None, n_chunks, few)
-        return
-    h = compact.from_bfloat16(h) if h.dtype == np.uint16 else h
-    if few:
+    elif few:
         _rows_product(wte, h, None, logits, False, n_chunks)
     else:
         _head(wte, h, logits, n_chunks)
@@ -120,11 +123,11 @@ def head(wte, h, logits, n_chunks, few: bool) -> None:
 def head_inputs(w: GPT2Weights, h: np.ndarray):
     """The rows as the scoring head takes them (matkernels._head_log_softmax): h itself, or for the
     integer formats h quantised and laid out for the integer tiles (inttiles.laid_out), as every
-    integer product multiplies them; with bfloat16 activations h rounded to bfloat16: bits for paneltiles
-    (AVX512_BF16), else their values for BLAS."""
+    integer product multiplies them; with bfloat16 activations h rounded to bfloat16 (as_bits: bits for
+    paneltiles, else their values for BLAS)."""
     if w.activations == "bfloat16":
         bits = compact.to_bfloat16(h)
-        return bits if dispatch.BF16_DOT else compact.from_bfloat16(bits)
+        return bits if as_bits(False) else compact.from_bfloat16(bits)
     return inttiles.laid_out(h) if w.scales else h
 
 
@@ -154,7 +157,7 @@ class Workspace:
         self._int8 = np.empty(0, np.int8)
         self._int8_scales = np.empty(0, np.float32)
         self._wide = np.empty(0, np.int16)
-        self._bf16 = np.empty(0, np.uint16)  # bfloat16 activations' inputs, rounded
+        self._bf16 = {np.uint16: np.empty(0, np.uint16), np.float32: np.empty(0, np.float32)}  # (rounded)
         self._views = {}  # (T, K): quantized's views of _int8 and _int8_scales
 
     def scratch(self, T: int) -> np.ndarray:
@@ -185,15 +188,16 @@ class Workspace:
         q, s = self.quantized(n, K)
         return q, s, self._wide[: n * K].reshape(n, K)
 
-    def rounded(self, x: np.ndarray) -> np.ndarray:
-        """x's rows rounded to bfloat16 (bits, uint16), in this workspace: a product's inputs with bfloat16
-        activations."""
+    def rounded(self, x: np.ndarray, bits: bool) -> np.ndarray:
+        """x's rows rounded to bfloat16, in this workspace: a product's inputs with bfloat16 activations, as
+        their bits (uint16) or their values (float32)."""
         T, K = x.shape
-        if self._bf16.size < T * K:
-            self._bf16 = np.empty(T * self.width, np.uint16)
-        bits = self._bf16[: T * K].reshape(T, K)
-        _round_bf16(x, bits)
-        return bits
+        kind = np.uint16 if bits else np.float32
+        if self._bf16[kind].size < T * K:
+            self._bf16[kind] = np.empty(T * self.width, kind)
+        out = self._bf16[kind][: T * K].reshape(T, K)
+        _round_bf16(x, out)
+        return out
 
     def dense(self, shape: tuple) -> np.ndarray:
         """A float32 buffer of ``shape`` for one widened compact matrix (many rows only)."""
