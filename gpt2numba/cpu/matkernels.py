@@ -11,7 +11,8 @@ Every parallel kernel hands out its chunks from an atomic counter (chunks.py).
 import math
 
 import numpy as np
-from numba import errors, njit, prange, types
+from numba import njit, prange, types
+from numba.core.errors import TypingError
 from numba.extending import overload
 
 from . import inttiles, paneltiles
@@ -211,7 +212,7 @@ def _needs_panels():
     """bfloat16 bits reach the scoring head only with AVX512_BF16 (products.head_inputs): else a typing error,
     never the instruction on a CPU without it."""
     if not paneltiles.BF16_DOT:
-        raise errors.TypingError("bfloat16 inputs to the head need AVX512_BF16 (products.head_inputs)")
+        raise TypingError("bfloat16 inputs to the head need AVX512_BF16 (products.head_inputs)")
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
