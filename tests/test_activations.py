@@ -60,15 +60,9 @@ def test_rounding_is_ml_dtypes_bfloat16():
 @given(V=st.integers(1, 60), C=st.integers(1, 100), R=st.integers(1, 70), bias=st.booleans(),
        accumulate=st.booleans(), n_chunks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_products_of_rounded_rows(V, C, R, bias, accumulate, n_chunks, seed):
-    """out (+)= X @ W.T (+ b) for bfloat16 rows X and matrix W: one row, tiles of rows x outputs past a block of
-    rows (BLOCK_ROWS) and inputs past the last whole step of 32 (vdpbf16ps's pairs), against float64."""
-    rng = np.random.default_rng(seed)
-    w, x = rounded(helpers.randn(rng, V, C)), rounded(helpers.randn(rng, R, C))
-    out, b = helpers.randn(rng, R, V), helpers.randn(rng, V)
-    wide = lambda a: compact.from_bfloat16(a).astype(np.float64)  # noqa: E731
-    ref = (out.astype(np.float64) if accumulate else 0) + wide(x) @ wide(w).T + (b if bias else 0)
-    matkernels._rows_product(w, x, b if bias else None, out, accumulate, n_chunks)
-    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+    """out (+)= X @ W.T (+ b) for bfloat16 rows X and matrix W: one row, tiles of rows x outputs, and inputs
+    past the last whole step of 32 (vdpbf16ps's pairs), against float64."""
+    check_product(matkernels._rows_product, V, C, R, bias, accumulate, n_chunks, seed)
 
 
 @pytest.mark.skipif(not dispatch.BF16_DOT, reason="this CPU has no AVX512_BF16: no panels")
@@ -77,13 +71,17 @@ def test_products_of_rounded_rows(V, C, R, bias, accumulate, n_chunks, seed):
 def test_products_in_panels(V, H, R, bias, accumulate, n_chunks, seed):
     """The same through paneltiles: outputs past a panel's 16 and a pack's 32 (zeros packed), rows past a tile's
     12 (through the sums) and whole tiles (straight into out), pairs of inputs past the 16 of a transposed block."""
+    check_product(paneltiles._panel_product, V, 2 * H, R, bias, accumulate, n_chunks, seed)
+
+
+def check_product(kernel, V, C, R, bias, accumulate, n_chunks, seed):
+    """kernel(W, X, b or None, out, accumulate, n_chunks) for rounded W (V, C) and X (R, C) against float64."""
     rng = np.random.default_rng(seed)
-    C = 2 * H
     w, x = rounded(helpers.randn(rng, V, C)), rounded(helpers.randn(rng, R, C))
     out, b = helpers.randn(rng, R, V), helpers.randn(rng, V)
     wide = lambda a: compact.from_bfloat16(a).astype(np.float64)  # noqa: E731
     ref = (out.astype(np.float64) if accumulate else 0) + wide(x) @ wide(w).T + (b if bias else 0)
-    paneltiles._panel_product(w, x, b if bias else None, out, accumulate, n_chunks)
+    kernel(w, x, b if bias else None, out, accumulate, n_chunks)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 

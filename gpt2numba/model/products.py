@@ -99,7 +99,7 @@ def head_logits(w: GPT2Weights, h: np.ndarray, logits: np.ndarray, n_chunks: int
     formats multiply in integers, as the block matrices (product)."""
     R, C = h.shape
     if w.activations == "bfloat16":
-        few = R <= dispatch.BF16_DOT_ROWS_MAX
+        few = R <= rows_max(w.dtype, w.activations)
         head(w.wte, workspace(w, R, numba.get_num_threads()).rounded(h, as_bits(few)), logits, n_chunks, few)
     elif w.scales:
         work = workspace(w, R, numba.get_num_threads())
