@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from numba import njit, prange, typed
 from threadpoolctl import threadpool_limits
 
-from gpt2numba.cpu import chunks, kernels, matkernels
+from gpt2numba.cpu import attention, chunks, kernels, matkernels
 from gpt2numba.model import compact, oracle
 from helpers import randn
 
@@ -125,10 +125,10 @@ def test_write_kv(batch, kv_dtype, seed, data):
 
 def _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, n_chunks, kv_dtype, max_len):
     out = np.empty((row0[-1], qkv.shape[1] // 3), np.float32)
-    scratch = np.empty((n_chunks, kernels.attend_width(ks[0].shape[3], max_len)), np.float32)
-    tiles, bounds = kernels._attention_plan(row0, pos0, ks[0].shape[1], n_chunks)
+    scratch = np.empty((n_chunks, attention.attend_width(ks[0].shape[3], max_len)), np.float32)
+    tiles, bounds = attention._attention_plan(row0, pos0, ks[0].shape[1], n_chunks)
     with threadpool_limits(1, user_api="blas"):
-        kernels._attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scratch,
+        attention._attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scratch,
                         kv_dtype == "float16")
     return out
 
@@ -170,13 +170,13 @@ def test_attention_plan(counts, n_head, n_chunks, seed):
     """Every (sequence, head, tile of queries) once, in n_chunks runs of which none is far above the mean."""
     row0 = np.cumsum([0, *counts]).astype(np.int64)
     pos0 = np.random.default_rng(seed).integers(0, 700, len(counts))
-    tiles, bounds = kernels._attention_plan(row0, pos0, n_head, n_chunks)
+    tiles, bounds = attention._attention_plan(row0, pos0, n_head, n_chunks)
     expected = {(b, h, i0) for b, T in enumerate(counts) for h in range(n_head)
-                for i0 in range(0, T, kernels.ATTEND_TILE)}
+                for i0 in range(0, T, attention.ATTEND_TILE)}
     assert sorted(map(tuple, tiles.tolist())) == sorted(expected)
     assert bounds[0] == 0 and bounds[-1] == len(tiles) and (np.diff(bounds) >= 0).all()
-    m = [min(counts[b] - i0, kernels.ATTEND_TILE) for b, _, i0 in tiles]  # queries per tile
-    cost = [q * (pos0[b] + i0 + q + kernels.ATTEND_TILE) for q, (b, _, i0) in zip(m, tiles)]  # the plan's model
+    m = [min(counts[b] - i0, attention.ATTEND_TILE) for b, _, i0 in tiles]  # queries per tile
+    cost = [q * (pos0[b] + i0 + q + attention.ATTEND_TILE) for q, (b, _, i0) in zip(m, tiles)]  # the plan's model
     runs = [sum(cost[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
     assert max(runs) <= sum(cost) / n_chunks + max(cost)
 

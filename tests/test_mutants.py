@@ -14,7 +14,7 @@ import gpt2numba as g
 import helpers
 import test_score
 from conftest import TINY
-from gpt2numba.cpu import intkernels, inttiles, kernels
+from gpt2numba.cpu import attention, intkernels, inttiles, kernels
 from gpt2numba.model import compact, forward, products
 
 CAUGHT = (AssertionError, g.GPT2NumbaError)
@@ -72,8 +72,8 @@ def test_catches_mask_leaking_the_next_position(tiny, ids, monkeypatch):
         T = qkv.shape[0]
         for rows, start in ((slice(0, T - 1), pos0 + 1), (slice(T - 1, T), pos0 + T - 1)):  # no row past the last
             sub_row0 = np.array([0, len(range(T)[rows])])
-            plan = kernels._attention_plan(sub_row0, start, TINY.n_head, scratch.shape[0])
-            kernels._attend(qkv[rows], ks, vs, runs, run0, layer, sub_row0, start, *plan, out[rows], scratch, half)
+            plan = attention._attention_plan(sub_row0, start, TINY.n_head, scratch.shape[0])
+            attention._attend(qkv[rows], ks, vs, runs, run0, layer, sub_row0, start, *plan, out[rows], scratch, half)
     monkeypatch.setattr(forward, "_attend", leaky)
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")

@@ -21,7 +21,6 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from .chunks import _claimed, _span
-from .dispatch import BF16_DOT
 from .intkernels import _llvm
 from .kernels import _put
 

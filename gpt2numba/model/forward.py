@@ -22,7 +22,8 @@ import numba
 import numpy as np
 
 from ..cpu import dispatch, pool, threadlayer
-from ..cpu.kernels import _attend, _attention_plan, _gelu, _layernorm, _write_kv
+from ..cpu.attention import _attend, _attention_plan
+from ..cpu.kernels import _gelu, _layernorm, _write_kv
 from ..errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError
 from . import checks, compact, kvcache
 from .kvcache import ModelCache

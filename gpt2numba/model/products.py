@@ -23,7 +23,7 @@ import numpy as np
 
 from ..cpu import dispatch, inttiles, paneltiles
 from ..cpu.intkernels import _int_matmul
-from ..cpu.kernels import attend_width
+from ..cpu.attention import attend_width
 from ..cpu.matkernels import _expand_bf16, _head, _linear, _round_bf16, _rows_product
 from . import compact
 from .config import GPT2Config
