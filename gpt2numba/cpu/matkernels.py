@@ -19,7 +19,7 @@ from . import inttiles, paneltiles
 from .rowtiles import TILE_OUTPUTS, TILE_ROWS, _tiles, _widen
 from .blas import _gemm
 from .chunks import _claimed, _span
-from .dispatch import ROW_CHUNKS, SERIAL_ROWS
+from .dispatch import BF16_DOT, ROW_CHUNKS, SERIAL_ROWS
 from .kernels import FASTMATH, _as_float32, _exp_inplace, _put, _to_bfloat16
 
 
@@ -211,7 +211,7 @@ def _head_scores_typed(wte, scale, inputs, c0, c1, work, chunk):
 def _needs_panels():
     """bfloat16 bits reach the scoring head only with AVX512_BF16 (products.head_inputs): else a typing error,
     never the instruction on a CPU without it."""
-    if not paneltiles.BF16_DOT:
+    if not BF16_DOT:
         raise TypingError("bfloat16 inputs to the head need AVX512_BF16 (products.head_inputs)")
 
 
