@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from numba import njit, prange, typed
 from threadpoolctl import threadpool_limits
 
-from gpt2numba.cpu import attention, chunks, kernels, matkernels
+from gpt2numba.cpu import attention, chunks, dispatch, kernels, matkernels
 from gpt2numba.model import compact, oracle
 from helpers import randn
 
@@ -31,6 +31,13 @@ def test_gelu(n, F, seed):
     ref = oracle.gelu(x.astype(np.float64))
     kernels._gelu(x)
     np.testing.assert_allclose(x, ref, atol=1e-6, rtol=1e-5)
+
+
+@given(values=st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=300))
+def test_row_max(values):
+    """The integer-keyed max is np.max: negatives, zeros of either sign, infinities, subnormals."""
+    x = np.array(values, np.float32)
+    assert kernels._row_max(x) == x.max()
 
 
 # A ragged batch: B sequences of one model (n_layer, H, D), each with its own cache
@@ -116,20 +123,23 @@ def test_write_kv(batch, kv_dtype, seed, data):
         k_ref[own][layer, :, start:start + T] = _stored(rows[:, C:2 * C].reshape(T, H, D).transpose(1, 0, 2), kv_dtype)
         v_ref[own][layer, :, start:start + T] = _stored(rows[:, 2 * C:].reshape(T, H, D).transpose(1, 0, 2), kv_dtype)
     written = np.full((len(seqs), n_layer), -1, np.int64)
-    kernels._write_kv(qkv, ks, vs, runs, run0, row0, pos0, layer, written, kv_dtype == "float16")
+    kernels._write_kv(qkv, ks, vs, runs, run0, row0, pos0, layer, written, kv_dtype == "float16", False)
     for s in range(len(ks)):
         np.testing.assert_array_equal(ks[s], k_ref[s])
         np.testing.assert_array_equal(vs[s], v_ref[s])
     assert (written[:, layer] == pos0 + np.diff(row0)).all() and (np.delete(written, layer, axis=1) == -1).all()
 
 
-def _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, n_chunks, kv_dtype, max_len):
+def _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, n_chunks, kv_dtype, max_len, rounds=False, paired=False):
+    """attention._attend's output; with ``rounds`` bfloat16 inputs, on vdpbf16ps if ``paired``."""
+    D = ks[0].shape[3]
     out = np.empty((row0[-1], qkv.shape[1] // 3), np.float32)
-    scratch = np.empty((n_chunks, attention.attend_width(ks[0].shape[3], max_len)), np.float32)
+    scratch = np.empty((n_chunks, attention.attend_width(D, max_len)), np.float32)
+    pairs = np.empty((n_chunks, attention.pairs_width(D, max_len)), np.uint16) if paired else None
     tiles, bounds = attention._attention_plan(row0, pos0, ks[0].shape[1], n_chunks)
     with threadpool_limits(1, user_api="blas"):
         attention._attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scratch,
-                        kv_dtype == "float16")
+                          kv_dtype == "float16", rounds, pairs)
     return out
 
 
@@ -162,6 +172,40 @@ def test_attend(batch, n_chunks, kv_dtype, seed, data):
             visible = np.arange(start + T)[None, :] <= (start + np.arange(T))[:, None]
             ref = oracle.softmax(np.where(visible, scores, -np.inf)) @ vv
             np.testing.assert_allclose(out[rows, h * D:(h + 1) * D], ref, atol=1e-5, rtol=1e-4)
+
+
+@given(batch=batches, n_chunks=st.integers(1, 3), kv_dtype=kv_dtypes, seed=st.integers(0, 2**32 - 1),
+       data=st.data())
+def test_attend_with_bfloat16_inputs(batch, n_chunks, kv_dtype, seed, data):
+    """With bfloat16 activations attention multiplies bfloat16 queries and softmax weights by the keys and values
+    as the cache write rounded them: against float64 of those rounded values, through BLAS and (an even
+    head_dim, AVX512_BF16) on vdpbf16ps, every output but a rare one within float32's error of it."""
+    model, seqs = batch
+    n_layer, H, D = model
+    layer = data.draw(st.integers(0, n_layer - 1))
+    qkv, ks, vs, runs, run0, row0, pos0 = _batch_case(np.random.default_rng(seed), model, seqs, kv_dtype,
+                                                      data.draw(_cuts(seqs)))
+    for a in (*ks, *vs):  # the history as _write_kv keeps it with bfloat16 activations
+        a[...] = _stored(oracle.bfloat16_inputs(_widened(a, kv_dtype)).astype(np.float32), kv_dtype)
+    max_len = max(m for m, _, _ in seqs)
+    ref = np.empty((row0[-1], H * D))
+    for b, (m, start, T) in enumerate(seqs):
+        rows = slice(row0[b], row0[b + 1])
+        for h in range(H):
+            q = qkv[rows, h * D:(h + 1) * D]
+            kk, vv = (oracle.bfloat16_inputs(_widened(_history(a, runs, run0, b, m), kv_dtype)[layer, h, :start + T])
+                      for a in (ks, vs))
+            visible = np.arange(start + T)[None, :] <= (start + np.arange(T))[:, None]
+            scores = oracle.bfloat16_inputs(q) @ kk.T / np.sqrt(D)
+            ref[rows, h * D:(h + 1) * D] = oracle.bfloat16_inputs(oracle.softmax(np.where(visible, scores, -np.inf))) @ vv
+    args = (qkv, ks, vs, runs, run0, layer, row0, pos0, n_chunks, kv_dtype, max_len)
+    for paired in [False] + ([True] if dispatch.BF16_DOT and D % 2 == 0 else []):
+        out = _attend(*args, rounds=True, paired=paired)
+        # a softmax weight on a bfloat16 rounding tie may round either way in float32 and float64: one of 5000
+        # values or so, which moves its outputs by up to a bfloat16 step of the weight times a value
+        np.testing.assert_allclose(out, ref, atol=1e-2, err_msg=f"paired={paired}")
+        off = np.abs(out - ref) > 1e-5 + 1e-4 * np.abs(ref)
+        assert off.sum() <= max(1, off.size // 100), (paired, off.sum(), off.size)
 
 
 @given(counts=st.lists(st.integers(1, 300), min_size=1, max_size=8), n_head=st.integers(1, 12),

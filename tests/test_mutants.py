@@ -67,13 +67,13 @@ def test_catches_positions_restarting_per_chunk(tiny, ids, monkeypatch):
 
 
 def test_catches_mask_leaking_the_next_position(tiny, ids, monkeypatch):
-    def leaky(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scratch, half):
+    def leaky(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scratch, *flags):
         # one sequence: query j sits at pos0 + j but is handed positions up to pos0 + j + 1
         T = qkv.shape[0]
         for rows, start in ((slice(0, T - 1), pos0 + 1), (slice(T - 1, T), pos0 + T - 1)):  # no row past the last
             sub_row0 = np.array([0, len(range(T)[rows])])
             plan = attention._attention_plan(sub_row0, start, TINY.n_head, scratch.shape[0])
-            attention._attend(qkv[rows], ks, vs, runs, run0, layer, sub_row0, start, *plan, out[rows], scratch, half)
+            attention._attend(qkv[rows], ks, vs, runs, run0, layer, sub_row0, start, *plan, out[rows], scratch, *flags)
     monkeypatch.setattr(forward, "_attend", leaky)
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")
@@ -90,8 +90,8 @@ def test_catches_transposed_conv1d_weight(tiny, ids, monkeypatch):
 
 def test_catches_a_layer_skipping_its_cache_write(tiny, ids, monkeypatch):
     real = forward._write_kv
-    monkeypatch.setattr(forward, "_write_kv", lambda qkv, ks, vs, runs, run0, row0, pos0, layer, written, half:
-                        None if layer == 1 else real(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half))
+    monkeypatch.setattr(forward, "_write_kv", lambda qkv, ks, vs, runs, run0, row0, pos0, layer, *rest:
+                        None if layer == 1 else real(qkv, ks, vs, runs, run0, row0, pos0, layer, *rest))
     with pytest.raises(CAUGHT):
         helpers.check_prefill(ids, tiny, "mutant")
 
@@ -99,8 +99,8 @@ def test_catches_a_layer_skipping_its_cache_write(tiny, ids, monkeypatch):
 def test_catches_a_write_past_the_prompt(tiny, ids, monkeypatch):
     real = forward._write_kv
 
-    def one_row_too_many(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half):  # one sequence
-        real(np.vstack([qkv, qkv[-1:]]), ks, vs, runs, run0, row0 + [0, 1], pos0, layer, written, half)
+    def one_row_too_many(qkv, ks, vs, runs, run0, row0, pos0, layer, written, *flags):  # one sequence
+        real(np.vstack([qkv, qkv[-1:]]), ks, vs, runs, run0, row0 + [0, 1], pos0, layer, written, *flags)
         written[:, layer] -= 1
     monkeypatch.setattr(forward, "_write_kv", one_row_too_many)
     with pytest.raises(CAUGHT):
@@ -246,7 +246,7 @@ def test_catches_a_compact_cache_read_in_the_other_format(tiny, ids, monkeypatch
     real = forward._attend
     mc = g.ModelCache(TINY, dtype=kv_dtype)
     test_kv_dtype.check_logits(g.prefill(ids, tiny, mc), ids, tiny, kv_dtype, "control")
-    monkeypatch.setattr(forward, "_attend", lambda *args: real(*args[:-1], not args[-1]))
+    monkeypatch.setattr(forward, "_attend", lambda *args: real(*args[:-3], not args[-3], *args[-2:]))  # half
     mc = g.ModelCache(TINY, dtype=kv_dtype)
     with pytest.raises(CAUGHT):
         test_kv_dtype.check_logits(g.prefill(ids, tiny, mc), ids, tiny, kv_dtype, "mutant")
@@ -260,9 +260,8 @@ def test_catches_a_float16_cache_that_rounds_to_bfloat16(tiny, ids, monkeypatch)
     monkeypatch.setattr(test_kv_dtype, "record_diff", lambda *a: None)
     real = forward._write_kv
 
-    def coarse(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half):
-        coarse_qkv = compact.from_bfloat16(compact.to_bfloat16(qkv)).reshape(qkv.shape)
-        real(coarse_qkv, ks, vs, runs, run0, row0, pos0, layer, written, half)
+    def coarse(qkv, *rest):
+        real(compact.from_bfloat16(compact.to_bfloat16(qkv)).reshape(qkv.shape), *rest)
     monkeypatch.setattr(forward, "_write_kv", coarse)
     mc = g.ModelCache(TINY, dtype="float16")
     with pytest.raises(CAUGHT):

@@ -1,6 +1,13 @@
 """Causal attention of the new rows over their sequences' cached keys and values (kernels.py's module
 docstring says how a batch's rows and runs are laid out).
 
+With bfloat16 activations (model/products.py) attention's two products take bfloat16 inputs too: the keys
+and values as the cache write rounded them (kernels._write_kv), the queries and the softmax's weights
+rounded here. Over several queries on AVX512_BF16 they run on vdpbf16ps (paneltiles.py: the keys packed as
+a matrix's rows, the values by pairs of positions), the scores scaled inside the softmax; else the queries
+are scaled after rounding and BLAS multiplies the same values in float32. (The two differ by float32's
+order of summation, and where that moves a weight across a bfloat16 rounding tie.)
+
 Private and unchecked, as kernels.py: callers in forward.py validate shapes, dtypes and ranges.
 """
 
@@ -10,9 +17,11 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from . import paneltiles
 from .blas import _gemm
 from .chunks import _claimed
-from .kernels import _ONE, FASTMATH, _as_float32, _cache_of, _exp_inplace, _to_float32_f16
+from .kernels import (_ONE, FASTMATH, _as_float32, _cache_of, _exp_inplace, _rounded, _row_max, _to_bfloat16,
+                      _to_float32_f16)
 
 
 def _times_cache(a, ks, runs, lo, hi, layer, h, n, dense, out, half, keys):
@@ -110,6 +119,70 @@ def _widen_typed(bits, out, half):
     return from_bits
 
 
+def _bits_of(x, half):
+    """The bfloat16 bits (uint16) of a value of a cache that holds it exactly so (written rounded): float32,
+    or float16 (``half``) or bfloat16 bits."""
+
+
+@overload(_bits_of, inline="always")
+def _bits_of_typed(x, half):
+    if x == types.float32:
+        return lambda x, half: _to_bfloat16(x)
+
+    def from_bits(x, half):
+        if half:
+            return _to_bfloat16(_to_float32_f16(x))
+        return x
+    return from_bits
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _gathered_bits(ks, runs, lo, hi, layer, h, n, out, half):
+    """Positions 0..n-1 of one head of one layer, from runs[lo:hi] of ks, as bfloat16 bits in out (n, D)."""
+    for j in range(lo, hi):
+        first, end, row = runs[j, 1], min(runs[j, 2], n), runs[j, 3]
+        if first >= n:
+            break
+        rows = _cache_of(ks, runs[j, 0])[layer, h]  # position t is rows[t + row - first]
+        for t in range(first, end):
+            src = rows[t + row - first]
+            for d in range(src.size):
+                out[t, d] = _bits_of(src[d], half)
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
+def _softmax_exp(row, scale, bits):
+    """row = exp((row - max(row)) * scale) in place; returns 1 / its sum. bits: int32 scratch (_exp_inplace)."""
+    peak = _row_max(row)
+    for t in range(row.size):
+        row[t] = (row[t] - peak) * scale
+    _exp_inplace(row, bits[: row.size])
+    return _ONE / row.sum()
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def _bits_tile(qkv, first, start, h, m, ks, vs, runs, lo, hi, layer, half, scale, s, out, P, pairs, sums, bits):
+    """_attend's tile on vdpbf16ps: queries first..first+m-1 of head h, at positions start.., over keys and
+    values 0..start+m-1, all as bfloat16 (queries and weights rounded here, keys and values as written), the
+    scores scaled inside the softmax; into out (m, D). s: float32 (m, n) scratch; P: n_positions; pairs: a
+    thread's row of uint16 scratch (pairs_width); sums: float32, a tile of paneltiles' sums."""
+    n, D = start + m, out.shape[1]
+    q, rows, p, panels = _pairs_views(pairs, D, P, m, n)
+    for i in range(m):
+        for d in range(D):
+            q[i, d] = _to_bfloat16(qkv[first + i, h * D + d])
+    _gathered_bits(ks, runs, lo, hi, layer, h, n, rows, half)
+    paneltiles._panels(rows, q, None, s, False, 0, n, (panels, sums))
+    for i in range(m):
+        pos = start + i
+        inv = _softmax_exp(s[i, : pos + 1], scale, bits)
+        for t in range(pos + 1):
+            p[i, t] = _to_bfloat16(s[i, t] * inv)
+        p[i, pos + 1:] = 0  # (and a last column of zeros, n being odd)
+    _gathered_bits(vs, runs, lo, hi, layer, h, n, rows, half)  # the values (n, D), now that the keys are done
+    paneltiles._panels(rows, p, None, out, False, 0, D, (panels, sums), True)
+
+
 # Queries per attention tile: a tile's scores are one BLAS product against the keys it may see.
 ATTEND_TILE = 64
 
@@ -119,6 +192,25 @@ def attend_width(head_dim: int, n_positions: int) -> int:
     for a compact cache's rows widened."""
     return ATTEND_TILE * (head_dim + n_positions) + n_positions * head_dim
 
+
+def pairs_width(head_dim: int, n_positions: int) -> int:
+    """uint16 elements of _attend's bfloat16 scratch per thread (_bits_tile): a tile's queries (ATTEND_TILE, D),
+    the keys and then the values (P, D), the weights (ATTEND_TILE, P + 1), and paneltiles' panels for the longer
+    K of the two products."""
+    D, P = head_dim, n_positions
+    return (ATTEND_TILE + P) * D + ATTEND_TILE * (P + 1) + paneltiles.PANELS * paneltiles.LANES * max(D, P + 1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _pairs_views(pairs, D, P, m, n):
+    """Views of a row of pairs_width(D, P) elements: queries (m, D), keys or values (n, D), weights (m, n2), n2
+    = n rounded up to even; and the panels."""
+    n2 = n + n % 2
+    rows = ATTEND_TILE * D
+    weights = rows + P * D
+    panels = weights + ATTEND_TILE * (P + 1)
+    return (pairs[: m * D].reshape(m, D), pairs[rows: rows + n * D].reshape(n, D),
+            pairs[weights: weights + m * n2].reshape(m, n2), pairs[panels:])
 
 
 @njit(cache=True, nogil=True)
@@ -153,7 +245,7 @@ def _attention_plan(row0, pos0, n_head, n_chunks):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scratch, half):
+def _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scratch, half, rounds, pairs):
     """Causal attention of every new row over its own sequence's history.
 
     qkv: (N, 3C), queries in columns [0, C); ks, vs, runs, run0: the stores and each
@@ -174,6 +266,10 @@ def _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scra
     a decode_batch step of 32 sequences at context 128 makes 9216 such calls, whose overhead
     cost its attention 17.5 ms against the loops' 12.3 (int8 weights, AMD EPYC Zen 4), where
     reading the 302 MB of K and V rows sets the pace.
+    With ``rounds`` (bfloat16 activations) the queries and the softmax's weights are rounded to bfloat16
+    (the keys and values were, when written); pairs: None, or (threads, pairs_width(D, P)) uint16 scratch,
+    with which a tile of several queries multiplies bfloat16 pairs on vdpbf16ps (_bits_tile; only with
+    AVX512_BF16: with pairs None, Numba prunes the branch and compiles none of it).
     """
     D = _cache_of(ks, 0).shape[3]
     P = (scratch.shape[1] - ATTEND_TILE * D) // (ATTEND_TILE + D)
@@ -182,6 +278,7 @@ def _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scra
     nxt = np.zeros(1, np.int64)  # the next run (chunks.py)
     for part in prange(min(n_chunks, scratch.shape[0])):  # part: the iteration's row of scratch
         bits = np.empty(P, np.int32)
+        sums = np.empty(0 if pairs is None else paneltiles.TILE_ROWS * paneltiles.OUTPUTS, np.float32)
         for run in _claimed(nxt, n_chunks):
             for j in range(bounds[run], bounds[run + 1]):
                 b, h, i0 = tiles[j, 0], tiles[j, 1], tiles[j, 2]
@@ -191,22 +288,26 @@ def _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scra
                 q = scratch[part, : m * D].reshape(m, D)  # (m, D), then the tile's output
                 s = scratch[part, m * D : m * D + m * n].reshape(m, n)  # (m, n) scores, then weights
                 dense = scratch[part, ATTEND_TILE * (D + P):].reshape(P, D)  # a compact cache's rows widened
-                for i in range(m):
-                    for d in range(D):
-                        q[i, d] = qkv[first + i, h * D + d] * scale
-                _times_cache(q, ks, runs, run0[b], run0[b + 1], layer, h, n, dense, s, half, True)
-                for i in range(m):
-                    pos = start + i
-                    row = s[i, : pos + 1]  # the keys the query at pos may see
-                    peak = row.max()
-                    for t in range(pos + 1):
-                        row[t] -= peak
-                    _exp_inplace(row, bits)
-                    inv = _ONE / row.sum()
-                    for t in range(pos + 1):
-                        row[t] *= inv
-                    s[i, pos + 1:] = 0.0
-                _times_cache(s, vs, runs, run0[b], run0[b + 1], layer, h, n, dense, q, half, False)
+                if pairs is not None and m > 1:  # (a test of the argument: without pairs, nothing of it compiles)
+                    _bits_tile(qkv, first, start, h, m, ks, vs, runs, run0[b], run0[b + 1], layer, half, scale, s, q,
+                               P, pairs[part], sums, bits)
+                else:
+                    for i in range(m):
+                        for d in range(D):
+                            x = qkv[first + i, h * D + d]
+                            q[i, d] = (_rounded(x) if rounds else x) * scale
+                    _times_cache(q, ks, runs, run0[b], run0[b + 1], layer, h, n, dense, s, half, True)
+                    for i in range(m):
+                        pos = start + i
+                        row = s[i, : pos + 1]  # the keys the query at pos may see
+                        inv = _softmax_exp(row, _ONE, bits)
+                        for t in range(pos + 1):
+                            row[t] *= inv
+                        if rounds:
+                            for t in range(pos + 1):
+                                row[t] = _rounded(row[t])
+                        s[i, pos + 1:] = 0.0
+                    _times_cache(s, vs, runs, run0[b], run0[b + 1], layer, h, n, dense, q, half, False)
                 for i in range(m):
                     for d in range(D):
                         out[first + i, h * D + d] = q[i, d]

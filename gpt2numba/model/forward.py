@@ -204,6 +204,7 @@ def forward_pass(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache
     x[...] = _embed(np.concatenate(seqs), np.repeat(pos0 - row0[:-1], counts) + np.arange(N), w)
     ks, vs, runs, run0 = kvcache.stores(caches)
     half = caches[0].dtype == "float16"  # (for uint16 caches: float16 bits, else bfloat16)
+    rounds, pairs = w.activations == "bfloat16", work.attend_pairs(w)  # attention's inputs rounded, and how
     written = np.repeat(pos0[:, None], cfg.n_layer, axis=1)  # (B, n_layer) positions each layer holds
     tiles, bounds = _attention_plan(row0, pos0, cfg.n_head, n_chunks)
     eps = cfg.layer_norm_epsilon
@@ -211,8 +212,8 @@ def forward_pass(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache
         for layer in range(cfg.n_layer):
             _layernorm(x, w.ln_1_g[layer], w.ln_1_b[layer], eps, h)
             matmul(h, "c_attn_w", layer, w.c_attn_b[layer], qkv, False, w, work, n_chunks)
-            _write_kv(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half)
-            _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, a, work.attend, half)
+            _write_kv(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half, rounds)
+            _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, a, work.attend, half, rounds, pairs)
             matmul(a, "attn_c_proj_w", layer, w.attn_c_proj_b[layer], x, True, w, work, n_chunks)
 
             _layernorm(x, w.ln_2_g[layer], w.ln_2_b[layer], eps, h)

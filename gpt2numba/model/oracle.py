@@ -29,13 +29,17 @@ def softmax(x):
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def attention(q, k, v):
-    # [T, D] x3 -> [T, D]; position i sees positions <= i
+def exact(x):
+    return x
+
+
+def attention(q, k, v, inputs=exact):
+    # [T, D] x3 -> [T, D]; position i sees positions <= i; its two products multiply inputs(their inputs)
     T, D = q.shape
     future = np.triu(np.ones((T, T), dtype=bool), k=1)
-    scores = q @ k.T / np.sqrt(D)
+    scores = inputs(q) @ inputs(k).T / np.sqrt(D)
     scores[future] = -np.inf
-    return softmax(scores) @ v
+    return inputs(softmax(scores)) @ inputs(v)
 
 
 def int8_inputs(x):
@@ -54,10 +58,6 @@ def bfloat16_inputs(x):
     return np.ldexp(np.round(mantissa * 256) / 256, exponent)
 
 
-def exact(x):
-    return x
-
-
 def block(x, w: GPT2Weights, layer: int, inputs=exact):
     # [T, C] -> [T, C]; every matrix product multiplies inputs(its input)
     f64 = lambda a: a[layer].astype(np.float64)  # noqa: E731
@@ -67,7 +67,9 @@ def block(x, w: GPT2Weights, layer: int, inputs=exact):
     h = layer_norm(x, f64(w.ln_1_g), f64(w.ln_1_b), eps)
     qkv = inputs(h) @ f64(w.c_attn_w) + f64(w.c_attn_b)  # [T, C] -> [T, 3C]
     q, k, v = np.split(qkv, 3, axis=-1)  # 3 x [T, C]
-    heads = [attention(*hv) for hv in zip(*(np.split(a, n_head, axis=-1) for a in (q, k, v)))]
+    # attention rounds its inputs as the blocks' products do with bfloat16 activations, not with int8's groups
+    attend = inputs if inputs is bfloat16_inputs else exact
+    heads = [attention(*hv, attend) for hv in zip(*(np.split(a, n_head, axis=-1) for a in (q, k, v)))]
     x = x + inputs(np.hstack(heads)) @ f64(w.attn_c_proj_w) + f64(w.attn_c_proj_b)
 
     h = layer_norm(x, f64(w.ln_2_g), f64(w.ln_2_b), eps)

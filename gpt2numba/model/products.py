@@ -23,7 +23,7 @@ import numpy as np
 
 from ..cpu import dispatch, inttiles, paneltiles
 from ..cpu.intkernels import _int_matmul
-from ..cpu.attention import attend_width
+from ..cpu.attention import attend_width, pairs_width
 from ..cpu.matkernels import _expand_bf16, _head, _linear, _round_bf16, _rows_product
 from . import compact
 from .config import GPT2Config
@@ -151,6 +151,8 @@ class Workspace:
         # per thread: a tile of queries and its scores over every visible key, and a compact cache's
         # rows widened (one head's keys or values: 256 KB for GPT-2)
         self.attend = np.empty((threads, attend_width(cfg.head_dim, cfg.n_positions)), np.float32)
+        self._pairs_width = pairs_width(cfg.head_dim, cfg.n_positions)
+        self._pairs = None
         self._scratch = np.empty(0, np.float32)
         self._dense = np.empty(0, np.float32)
         # the integer formats' inputs: int8 rows and their scales, and laid out for the tiles (inttiles.WIDE)
@@ -187,6 +189,15 @@ class Workspace:
             self._wide = np.empty(n * self.width, inttiles.WIDE)
         q, s = self.quantized(n, K)
         return q, s, self._wide[: n * K].reshape(n, K)
+
+    def attend_pairs(self, w: GPT2Weights) -> np.ndarray | None:
+        """Attention's bfloat16 scratch per thread (attention.pairs_width: 467 KB for GPT-2), for bfloat16
+        activations on vdpbf16ps (as_bits; a head_dim of pairs); None, and attention multiplies float32."""
+        if w.activations != "bfloat16" or not as_bits(False) or w.config.head_dim % 2:
+            return None
+        if self._pairs is None:
+            self._pairs = np.empty((self.threads, self._pairs_width), np.uint16)
+        return self._pairs
 
     def rounded(self, x: np.ndarray, bits: bool) -> np.ndarray:
         """x's rows rounded to bfloat16, in this workspace: a product's inputs with bfloat16 activations, as
