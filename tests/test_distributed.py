@@ -87,13 +87,16 @@ def assert_same_records(got: str, expected: str):
                 assert a[name] == pytest.approx(b[name], rel=1e-6, abs=1e-9), name
 
 
-def test_score_dataset_equals_score_in_process(model, cluster):
+@pytest.mark.parametrize("dtype, activations", [("float32", "float32"), ("bfloat16", "bfloat16")])
+def test_score_dataset_equals_score_in_process(model, cluster, dtype, activations):
     from gpt2numba.integrations.distributed import score_dataset
 
     path, w = model
+    w = w.astype(dtype, activations=activations)
     tok = g.load_tokenizer()
     ds = ray.data.from_items([{"text": t, "id": i} for i, t in enumerate(TEXTS)])
-    rows = sorted(score_dataset(ds, str(path), stride=24, batch_size=2).take_all(), key=lambda r: r["id"])
+    rows = sorted(score_dataset(ds, str(path), dtype=dtype, activations=activations, stride=24, batch_size=2)
+                  .take_all(), key=lambda r: r["id"])
     assert [r["text"] for r in rows] == TEXTS  # the input columns are kept
     for row, text in zip(rows, TEXTS):
         s = g.score(tok.encode(text), w, stride=24)
@@ -108,6 +111,7 @@ def test_score_dataset_checks_its_arguments(cluster):
 
     ds = ray.data.from_items([{"text": "a"}])
     for kwargs, match in [({"threads_per_worker": 0}, "threads_per_worker"), ({"stride": 0}, "stride"),
-                          ({"concurrency": 0}, "concurrency"), ({"batch_size": 0}, "batch_size")]:
+                          ({"concurrency": 0}, "concurrency"), ({"batch_size": 0}, "batch_size"),
+                          ({"dtype": "int3"}, "dtype"), ({"activations": "bfloat16"}, "needs bfloat16 weights")]:
         with pytest.raises(g.ConfigError, match=match):
             score_dataset(ds, None, **kwargs)

@@ -171,6 +171,18 @@ def test_max_length_is_checked(tmp_path):
             GPT2NumbaLM(model=str(tmp_path), max_length=bad)
 
 
+def test_model_args_take_activations(tmp_path):
+    """model_args' dtype and activations reach the weights (lm_eval passes them as strings); a bad pair is the
+    loader's error, naming them."""
+    from gpt2numba.harness import GPT2NumbaLM
+
+    write_dir(g.random_weights(CONFIG, seed=4), tmp_path)
+    lm = GPT2NumbaLM(model=str(tmp_path), dtype="bfloat16", activations="bfloat16")
+    assert (lm.w.dtype, lm.w.activations) == ("bfloat16", "bfloat16")
+    with pytest.raises(g.ConfigError, match="activations='bfloat16' needs bfloat16 weights"):
+        GPT2NumbaLM(model=str(tmp_path), activations="bfloat16")
+
+
 @pytest.mark.slow
 def test_the_harness_command_line(tmp_path):
     """python -m gpt2numba.harness takes lm_eval's own arguments."""

@@ -140,6 +140,7 @@ def test_bad_settings_are_refused_before_ray_runs_anything(model, cluster, monke
              ({"num_beams": 2, "seed": None, "num_return_sequences": 3}, g.SamplingError, "num_return_sequences"),
              ({"num_beams": 2, "seed": None, "length_penalty": float("nan")}, g.SamplingError, "length_penalty"),
              ({"dtype": "int3"}, g.ConfigError, "dtype"), ({"kv_dtype": "int8"}, g.ConfigError, "kv_dtype"),
+             ({"activations": "bfloat16"}, g.ConfigError, "needs bfloat16 weights"),
              ({"logprobs": "yes"}, g.ConfigError, "logprobs"), ({"column": 3}, g.ConfigError, "column"),
              ({"concurrency": 0}, g.ConfigError, "concurrency"), ({"batch_size": 0}, g.ConfigError, "batch_size"),
              ({"threads_per_worker": 0}, g.ConfigError, "threads_per_worker")]

@@ -97,6 +97,7 @@ def test_deployment_refuses_bad_settings():
     checks, the serve command's ranges, and the uvicorn settings that Ray Serve's proxy owns."""
     for kwargs, match in [({"replicas": 0}, "replicas"), ({"threads": 0}, "threads"), ({"max_batch": 0}, "max_batch"),
                           ({"dtype": "int3"}, "dtype"), ({"kv_dtype": "int8"}, "cache's dtype"),
+                          ({"activations": "float16"}, "activations must be one of"),
                           ({"api_key": " "}, "API key"), ({"max_step_tokens": 0}, "max_step_tokens"),
                           ({"max_choices": 8, "max_queued_choices": 4}, "max_queued_choices"),
                           ({"port": 8000}, "port is the HTTP proxy's"), ({"max_batchs": 4}, "max_batchs"),

@@ -335,8 +335,8 @@ def _score_ray(args) -> int:
     t0 = time.perf_counter()
     with cluster(args.ray):
         ds = read_documents(args.files, lines=args.lines, field=args.field)
-        scored = score_dataset(ds, args.model, dtype=args.dtype, stride=args.stride, threads_per_worker=args.threads,
-                               batch_size=args.batch_size).materialize()
+        scored = score_dataset(ds, args.model, dtype=args.dtype, activations=args.activations, stride=args.stride,
+                               threads_per_worker=args.threads, batch_size=args.batch_size).materialize()
         if args.output:
             write(scored, args.output, args.format)
         else:

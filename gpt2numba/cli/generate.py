@@ -277,8 +277,9 @@ def _on_ray(prompts, args, options, n, beam) -> int:
         import pyarrow.compute as pc  # (Ray Data's; installed with it)
 
         ds = ray.data.from_items([{"index": i, "prompt": p} for i, p in enumerate(prompts)])
-        generated = generate_dataset(ds, args.model, dtype=args.dtype, threads_per_worker=args.threads,
-                                     index_column="index", batch_size=args.batch_size or 64, **options).materialize()
+        generated = generate_dataset(ds, args.model, dtype=args.dtype, activations=args.activations,
+                                     threads_per_worker=args.threads, index_column="index",
+                                     batch_size=args.batch_size or 64, **options).materialize()
         to_records = functools.partial(records, n=n, beam=beam)
         if args.output:
             written = generated.flat_map(to_records)

@@ -35,13 +35,13 @@ from ..text.documents import field_of, split
 class _Scorer:
     """One Ray worker: the weights, loaded once; a batch of texts in, the batch with its scores out."""
 
-    def __init__(self, model, dtype, text_column, stride, threads):
+    def __init__(self, model, dtype, activations, text_column, stride, threads):
         from ..model.forward import set_threads
         from ..model.models import resolve_model
         from ..text.tokenizer import load_tokenizer
 
         set_threads(threads)
-        self.w, path, _ = resolve_model(model, dtype)
+        self.w, path, _ = resolve_model(model, dtype, activations)
         self.tokenizer = load_tokenizer(path)
         self.text_column, self.stride = text_column, stride
 
@@ -80,23 +80,26 @@ def write(ds, output, format: str) -> None:
     (ds.write_parquet if format == "parquet" else ds.write_json)(str(output))
 
 
-def score_dataset(ds, model: str | None, *, dtype: str = "float32", text_column: str = "text",
-                  stride: int | None = None, threads_per_worker: int | None = None,
+def score_dataset(ds, model: str | None, *, dtype: str = "float32", activations: str = "float32",
+                  text_column: str = "text", stride: int | None = None, threads_per_worker: int | None = None,
                   concurrency: int | None = None, batch_size: int = 64):
     """``ds`` (a ray.data.Dataset with a text column) plus tokens, nll, perplexity and bits_per_byte columns.
 
-    model: a checkpoint path on every node (or None: $GPT2NUMBA_WEIGHTS, else random GPT-2 small);
-    each worker takes threads_per_worker CPUs (default 1) and ``concurrency`` workers run (default:
+    model: a checkpoint path on every node (or None: $GPT2NUMBA_WEIGHTS, else random GPT-2 small), kept as
+    ``dtype``, its products taking ``activations`` (docs/formats.md); each worker takes threads_per_worker CPUs (default 1) and ``concurrency`` workers run (default:
     as many as the cluster's CPUs allow, less one for reading). Lazy, as Ray Data is: nothing runs until the result is
     read or written. Raises ConfigError for settings out of range; a missing column is reported by
     the workers when the data is read.
     """
     import ray
 
+    from ..model.weights import check_dtype
+
     if stride is not None and (not checks.is_integer(stride) or stride < 1):
         raise ConfigError(f"stride must be an integer >= 1, got {stride!r}")
+    check_dtype(dtype, activations=activations)
     threads, concurrency = _pool(threads_per_worker, concurrency, batch_size)
-    return ds.map_batches(_Scorer, fn_constructor_args=(model, dtype, text_column, stride, threads),
+    return ds.map_batches(_Scorer, fn_constructor_args=(model, dtype, activations, text_column, stride, threads),
                           batch_size=batch_size, batch_format="numpy", num_cpus=threads,
                           compute=ray.data.ActorPoolStrategy(size=concurrency))
 
@@ -175,7 +178,8 @@ class _Generation:
 def generate_dataset(ds, model: str | None, *, column: str = "prompt", max_new_tokens: int,
                      seed: int | None = None, num_beams: int = 1, num_return_sequences: int = 1,
                      logprobs: bool = False, stop_at_eos: bool = True, index_column: str | None = None,
-                     dtype: str = "float32", kv_dtype: str = "float32", threads_per_worker: int | None = None,
+                     dtype: str = "float32", activations: str = "float32", kv_dtype: str = "float32",
+                     threads_per_worker: int | None = None,
                      concurrency: int | None = None, batch_size: int = 64, **settings):
     """``ds`` (a ray.data.Dataset with a prompt column) plus the columns of GENERATED: completion,
     completion_ids, finish_reason ("stop" or "length"), logprobs (with ``logprobs``: the model's
@@ -194,7 +198,8 @@ def generate_dataset(ds, model: str | None, *, column: str = "prompt", max_new_t
     generate_batch over every prompt in order would: the same tokens whatever the workers and blocks. r is
     the row's value in ``index_column`` (distinct integers >= 0), or else its place in the dataset, which is
     then numbered here first (its blocks materialised, in the order Ray Data gives them: the source's
-    when it keeps it). model, dtype, threads_per_worker, concurrency and batch_size as score_dataset's.
+    when it keeps it). model, dtype, activations, threads_per_worker, concurrency and batch_size as
+    score_dataset's.
 
     Lazy, as Ray Data is, but for that numbering. Every setting is checked before any of it, with the
     library's own checks (ids against the model's vocabulary when its config.json or safetensors header is
@@ -204,28 +209,27 @@ def generate_dataset(ds, model: str | None, *, column: str = "prompt", max_new_t
     import ray
 
     job = _generation(model, column, max_new_tokens, seed, num_beams, num_return_sequences, logprobs,
-                      stop_at_eos, index_column, dtype, kv_dtype, settings)
+                      stop_at_eos, index_column, dtype, activations, kv_dtype, settings)
     threads, concurrency = _pool(threads_per_worker, concurrency, batch_size)
     if seed is not None and not job.beams and index_column is None:
         ds, job = _numbered(ds), dataclasses.replace(job, index_column=_ROW)
-    return ds.map_batches(_Generator, fn_constructor_args=(model, dtype, threads, job), batch_size=batch_size,
-                          batch_format="pyarrow", num_cpus=threads,
+    return ds.map_batches(_Generator, fn_constructor_args=(model, dtype, activations, threads, job),
+                          batch_size=batch_size, batch_format="pyarrow", num_cpus=threads,
                           compute=ray.data.ActorPoolStrategy(size=concurrency))
 
 
 def _generation(model, column, max_new_tokens, seed, num_beams, n, logprobs, stop_at_eos, index_column,
-                dtype, kv_dtype, settings) -> _Generation:
+                dtype, activations, kv_dtype, settings) -> _Generation:
     """generate_dataset's settings checked (by sample.py's and beams.py's checks) and gathered for its workers."""
     from ..decoding.beams import _Settings
     from ..decoding.sample import _settings
-    from ..model.compact import DTYPES
     from ..model.kvcache import check_kv_dtype
+    from ..model.weights import check_dtype
 
     for name, value in (("column", column), ("index_column", index_column)):
         if not isinstance(value, str) and (value is not None or name == "column"):
             raise ConfigError(f"{name} must be a column's name, got {value!r}")
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_dtype(dtype, activations=activations)
     checks.labelled("kv_dtype: ", check_kv_dtype, kv_dtype)
     if not isinstance(logprobs, bool):
         raise ConfigError(f"logprobs must be True or False, got {logprobs!r}")
@@ -308,13 +312,13 @@ def _with_rows(table, start: int):
 class _Generator:
     """One Ray worker: the weights, loaded once; a block of prompts in, the block with its completions out."""
 
-    def __init__(self, model, dtype, threads, job: _Generation):
+    def __init__(self, model, dtype, activations, threads, job: _Generation):
         from ..model.forward import set_threads
         from ..model.models import resolve_model
         from ..text.tokenizer import load_tokenizer
 
         set_threads(threads)
-        self.w, path, _ = resolve_model(model, dtype)
+        self.w, path, _ = resolve_model(model, dtype, activations)
         self.tokenizer = load_tokenizer(path)
         self.job = job
 

@@ -34,7 +34,8 @@ class GPT2NumbaLM(TemplateLM):
     """The harness's LM interface over gpt2numba.
 
     model: a checkpoint directory, .safetensors file or hub name (default: $GPT2NUMBA_WEIGHTS, else
-    random GPT-2 small); dtype: float32, bfloat16, int8 or int4; threads; batch_size: sequences generated
+    random GPT-2 small); dtype: float32, bfloat16, int8 or int4; activations: float32, or bfloat16 with bfloat16
+    weights (docs/formats.md); threads; batch_size: sequences generated
     together; max_gen_toks: the default cap of generate_until (256, or half a shorter context); max_length:
     the context the harness may use (default n_positions; as the HF backend's argument); share_prefix: requests
     that begin alike (a context and its continuations) run their shared rows once, forked for each (default
@@ -42,7 +43,8 @@ class GPT2NumbaLM(TemplateLM):
     mean nothing on this CPU engine and are ignored.
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "float32", threads: int | None = None,
+    def __init__(self, model: str | None = None, dtype: str = "float32", activations: str = "float32",
+                 threads: int | None = None,
                  batch_size: int | str = 16, max_gen_toks: int | None = None, max_length: int | None = None,
                  share_prefix: bool | str = True, device=None, max_batch_size=None):
         super().__init__()
@@ -50,7 +52,7 @@ class GPT2NumbaLM(TemplateLM):
 
         if threads is not None:
             set_threads(int(threads))
-        self.w, path, self.source = resolve_model(model, dtype)
+        self.w, path, self.source = resolve_model(model, dtype, activations)
         self.tokenizer = load_tokenizer(path)
         n_positions = self.w.config.n_positions
         self._max_length = n_positions if max_length is None else int(max_length)

@@ -16,7 +16,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from . import compact
 from .compact import BLOCK_MATRICES, INTEGER, MATRICES, STORAGE, storage
 from .config import HEAD_DIM, GPT2Config
-from .weights import _LAYER_TENSORS, _MODEL_TENSORS, GPT2Weights, _check_dtype, _field_shapes
+from .weights import _LAYER_TENSORS, _MODEL_TENSORS, GPT2Weights, check_dtype, _field_shapes
 
 # Buffers, not parameters: the causal mask GPT-2 checkpoints carry per layer.
 _IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
@@ -43,7 +43,7 @@ def load_weights(path: str | Path, dtype: str = "float32", activations: str = "f
     """
     from safetensors import SafetensorError, safe_open
 
-    _check_dtype(dtype, activations=activations)  # the config, known later, is checked against it in _read
+    check_dtype(dtype, activations=activations)  # the config, known later, is checked against it in _read
     if not isinstance(path, (str, os.PathLike)):
         raise CheckpointNotFoundError(f"path must be a str or path, got {type(path).__name__}")
     path = Path(path)
@@ -135,7 +135,7 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
             f"vocab_size={inferred.vocab_size}, n_positions={inferred.n_positions}"
         )
 
-    _check_dtype(dtype, config)
+    check_dtype(dtype, config)
     expected = {}  # checkpoint name -> (field, layer or None, shape)
     for field, name, shape_of in _MODEL_TENSORS:
         expected[prefix + name] = (field, None, shape_of(config))

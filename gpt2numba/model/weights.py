@@ -85,7 +85,7 @@ class GPT2Weights:
     activations: str = "float32"  # the products' inputs: "float32", or "bfloat16" with bfloat16 weights
 
     def __post_init__(self):
-        _check_dtype(self.dtype, self.config, self.activations)
+        check_dtype(self.dtype, self.config, self.activations)
         if (self.scales is not None) != (self.dtype in INTEGER):
             raise ConfigError("int8 and int4 weights need scales, and only they have them")
         arrays = [(field, shape, storage(field, self.dtype) if field in MATRICES else np.float32)
@@ -116,7 +116,7 @@ class GPT2Weights:
         ``dtype`` allows it, else "float32")."""
         if activations is None:
             activations = self.activations if dtype == "bfloat16" else "float32"
-        _check_dtype(dtype, self.config, activations)
+        check_dtype(dtype, self.config, activations)
         if dtype == self.dtype:
             return self if activations == self.activations else dataclasses.replace(self, activations=activations)
         stored = {field: compact.compress(field, self.matrix(field), dtype) for field in MATRICES}
@@ -135,9 +135,9 @@ class GPT2Weights:
                                    **{field: self.matrix(field) for field in MATRICES})
 
 
-def _check_dtype(dtype: str, config: GPT2Config | None = None, activations: str = "float32") -> None:
+def check_dtype(dtype: str, config: GPT2Config | None = None, activations: str = "float32") -> None:
     """ConfigError unless ``dtype`` is a storage format (and, given a config, one it fits) whose products
-    may take ``activations``."""
+    may take ``activations``: what every entry point checks before it loads anything."""
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if activations not in ACTIVATIONS:
@@ -185,7 +185,7 @@ def random_weights(config: GPT2Config, seed: int = 0, dtype: str = "float32") ->
         raise ConfigError(f"random_weights needs a GPT2Config, got {type(config).__name__}")
     if not checks.is_integer(seed) or seed < 0:
         raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
-    _check_dtype(dtype, config)
+    check_dtype(dtype, config)
     rng = np.random.default_rng(seed)
     cfg, L, C = config, config.n_layer, config.n_embd
 

@@ -24,7 +24,7 @@ import dataclasses
 
 from ..errors import ConfigError
 from ..model import checks
-from ..model.compact import DTYPES
+from ..model.weights import check_dtype
 from .config import CONNECTION_SETTINGS, ServeConfig
 
 # The settings `gpt2numba serve` gives uvicorn: Ray Serve's proxy owns the connections (serve.start's
@@ -34,12 +34,12 @@ REPLICA_SETTINGS = tuple(f.name for f in dataclasses.fields(ServeConfig) if f.na
 _COUNTS = tuple(f.name for f in dataclasses.fields(ServeConfig) if f.name in REPLICA_SETTINGS and f.type == "int")
 
 
-def deployment(model: str | None, *, replicas: int = 1, dtype: str = "float32", threads: int | None = None,
-               name: str = "gpt2numba", options: dict | None = None, **server_settings):
+def deployment(model: str | None, *, replicas: int = 1, dtype: str = "float32", activations: str = "float32",
+               threads: int | None = None, name: str = "gpt2numba", options: dict | None = None, **server_settings):
     """A Ray Serve application (serve.run's argument) of ``replicas`` copies of gpt2numba's server.
 
     model: a checkpoint path on every node, a hub name, or None (models.resolve_model), kept as ``dtype``
-    (compact.DTYPES); threads: each replica's Numba threads and the CPUs it reserves (default 1);
+    (compact.DTYPES), its products taking ``activations`` (compact.ACTIVATIONS); threads: each replica's Numba threads and the CPUs it reserves (default 1);
     server_settings: ServeConfig's for a replica (REPLICA_SETTINGS: max_batch, max_step_tokens, prefix_cache_mb,
     max_queue, max_queued_choices, max_choices, max_response_mb, api_key, model_name, max_body_bytes, kv_dtype),
     as the flags of ``gpt2numba serve`` set them; model_name defaults to the checkpoint's name. options: more of
@@ -50,20 +50,20 @@ def deployment(model: str | None, *, replicas: int = 1, dtype: str = "float32", 
     """
     from ray import serve
 
-    config = _checked(model, replicas, dtype, threads, options, server_settings)
+    config = _checked(model, replicas, dtype, activations, threads, options, server_settings)
     threads = 1 if threads is None else threads
     options = dict(options or {})
     options.setdefault("max_ongoing_requests", config.max_batch + config.max_queue)
 
     def build():  # on each replica, when it starts: the weights, the tokenizer, the app and its engine
-        return _replica_app(model, dtype, threads, config)
+        return _replica_app(model, dtype, activations, threads, config)
 
     server = serve.deployment(serve.ingress(build)(), name=name, num_replicas=replicas,
                               ray_actor_options={"num_cpus": threads}, **options)
     return server.bind()
 
 
-def _checked(model, replicas, dtype, threads, options, settings: dict) -> ServeConfig:
+def _checked(model, replicas, dtype, activations, threads, options, settings: dict) -> ServeConfig:
     """The replicas' ServeConfig, model_name filled in, once every argument has passed its checks and the ranges
     the serve command's flags hold."""
     if options is not None and not isinstance(options, dict):
@@ -74,8 +74,7 @@ def _checked(model, replicas, dtype, threads, options, settings: dict) -> ServeC
                          *((key, settings[key]) for key in _COUNTS if key in settings)):
         if not checks.is_integer(value) or value < 1:
             raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_dtype(dtype, activations=activations)
     if model is not None and not isinstance(model, str):
         raise ConfigError(f"model must be a path or a hub name (str) or None, got {type(model).__name__}")
     if given := [key for key in PROXY_SETTINGS if key in settings]:
@@ -89,7 +88,7 @@ def _checked(model, replicas, dtype, threads, options, settings: dict) -> ServeC
         raise ConfigError(str(e)) from None
 
 
-def _replica_app(model, dtype: str, threads: int, config: ServeConfig):
+def _replica_app(model, dtype: str, activations: str, threads: int, config: ServeConfig):
     """The server's app as a replica runs it, with the X-Replica header on every response."""
     from ray import serve
 
@@ -99,7 +98,7 @@ def _replica_app(model, dtype: str, threads: int, config: ServeConfig):
     from .app import create_app
 
     set_threads(threads)
-    w, path, _ = resolve_model(model, dtype)
+    w, path, _ = resolve_model(model, dtype, activations)
     app = create_app(w, load_tokenizer(path), config)
     return _Named(app, serve.get_replica_context().replica_id.to_full_id_str())
 
