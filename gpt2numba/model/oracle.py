@@ -86,7 +86,8 @@ def block(x, w: GPT2Weights, layer: int, inputs=exact):
 # bfloat16 activations round every product's input to 8 significant bits, and an input near the middle of
 # two bfloat16 values may round either way in float32 and float64 just the same: on GPT-2 small's random
 # weights 6 such inputs of 345,600 moved the oracle's own logits by 6.9e-3 (2 layers), and the engine's
-# logits were up to 9.7e-3 from the oracle's (12 prompts; 2.9e-4 on the tests' tiny model).
+# logits were up to 9.7e-3 from the oracle's (12 prompts; 2.9e-4 on the tests' tiny model); with attention's
+# inputs rounded too, up to 1.13e-2 (12 prompts, a prefill and a decode step each; 7e-4 on the tiny model).
 ATOL, RTOL = 1e-3, 1e-2
 ATOL_INTEGER = 0.1
 ATOL_BFLOAT16_INPUTS = 0.03
