@@ -43,7 +43,7 @@ def test_row_max(values):
 # A ragged batch: B sequences of one model (n_layer, H, D), each with its own cache
 # (max_len), the positions it already holds (start) and its new rows (T).
 models = st.tuples(st.integers(1, 3), st.integers(1, 4), st.sampled_from([1, 8, 64]))
-sequence = st.sampled_from([1, 2, 24, 70, 150]).flatmap(
+sequence = st.sampled_from([1, 2, 24, 71, 150]).flatmap(  # (71: an odd n_positions, n + 1 keys' room in pairs)
     lambda max_len: st.integers(0, max_len - 1).flatmap(
         lambda start: st.tuples(st.just(max_len), st.just(start), st.integers(1, max_len - start))))
 batches = st.tuples(models, st.lists(sequence, min_size=1, max_size=4))
@@ -106,24 +106,25 @@ def _cuts(seqs):
                        .map(lambda c, start=start: sorted(x for x in c if x <= start)) for _, start, _ in seqs])
 
 
-@given(batch=batches, kv_dtype=kv_dtypes, seed=st.integers(0, 2**32 - 1), data=st.data())
-def test_write_kv(batch, kv_dtype, seed, data):
+@given(batch=batches, kv_dtype=kv_dtypes, rounds=st.booleans(), seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_write_kv(batch, kv_dtype, rounds, seed, data):
     """Each sequence's rows land in its own cache at its own positions, one layer, nothing else (no other
     run's store); a compact cache holds them rounded to nearest even (as NumPy's float16 and compact's
-    bfloat16)."""
+    bfloat16); with ``rounds`` (bfloat16 activations) rounded to bfloat16 first, whatever the cache."""
     model, seqs = batch
     (n_layer, H, D), C = model, model[1] * model[2]
     layer = data.draw(st.integers(0, n_layer - 1))
     qkv, ks, vs, runs, run0, row0, pos0 = _batch_case(np.random.default_rng(seed), model, seqs, kv_dtype,
                                                       data.draw(_cuts(seqs)))
     k_ref, v_ref = [k.copy() for k in ks], [v.copy() for v in vs]
+    kept = compact.from_bfloat16(compact.to_bfloat16(qkv)).reshape(qkv.shape) if rounds else qkv
     for b, (_, start, T) in enumerate(seqs):
-        rows, own = qkv[row0[b]:row0[b + 1]], runs[run0[b + 1] - 1, 0]
+        rows, own = kept[row0[b]:row0[b + 1]], runs[run0[b + 1] - 1, 0]
         # (T, C) -> (H, T, D)
         k_ref[own][layer, :, start:start + T] = _stored(rows[:, C:2 * C].reshape(T, H, D).transpose(1, 0, 2), kv_dtype)
         v_ref[own][layer, :, start:start + T] = _stored(rows[:, 2 * C:].reshape(T, H, D).transpose(1, 0, 2), kv_dtype)
     written = np.full((len(seqs), n_layer), -1, np.int64)
-    kernels._write_kv(qkv, ks, vs, runs, run0, row0, pos0, layer, written, kv_dtype == "float16", False)
+    kernels._write_kv(qkv, ks, vs, runs, run0, row0, pos0, layer, written, kv_dtype == "float16", rounds)
     for s in range(len(ks)):
         np.testing.assert_array_equal(ks[s], k_ref[s])
         np.testing.assert_array_equal(vs[s], v_ref[s])

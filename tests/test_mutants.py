@@ -14,7 +14,7 @@ import gpt2numba as g
 import helpers
 import test_score
 from conftest import TINY
-from gpt2numba.cpu import attention, intkernels, inttiles, kernels
+from gpt2numba.cpu import attention, intkernels, inttiles
 from gpt2numba.model import compact, forward, products
 
 CAUGHT = (AssertionError, g.GPT2NumbaError)

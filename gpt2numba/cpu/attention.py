@@ -3,10 +3,12 @@ docstring says how a batch's rows and runs are laid out).
 
 With bfloat16 activations (model/products.py) attention's two products take bfloat16 inputs too: the keys
 and values as the cache write rounded them (kernels._write_kv), the queries and the softmax's weights
-rounded here. Over several queries on AVX512_BF16 they run on vdpbf16ps (paneltiles.py: the keys packed as
-a matrix's rows, the values by pairs of positions), the scores scaled inside the softmax; else the queries
-are scaled after rounding and BLAS multiplies the same values in float32. (The two differ by float32's
-order of summation, and where that moves a weight across a bfloat16 rounding tie.)
+rounded here. A tile of several queries runs on vdpbf16ps on AVX512_BF16 (paneltiles.py: the keys packed
+as a matrix's rows, the values by pairs of positions), the scores scaled inside the softmax; without the
+instruction the queries are scaled after rounding and BLAS multiplies the same values in float32; one query
+(a decode step) takes the float32 loops over the rounded values. (The paths differ by float32's order of
+summation, by the scale's rounding where 1/sqrt(head_dim) is not a power of two, and where either moves a
+weight across a bfloat16 rounding tie.)
 
 Private and unchecked, as kernels.py: callers in forward.py validate shapes, dtypes and ranges.
 """
@@ -163,9 +165,11 @@ def _softmax_exp(row, scale, bits):
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _bits_tile(qkv, first, start, h, m, ks, vs, runs, lo, hi, layer, half, scale, s, out, P, pairs, sums, bits):
     """_attend's tile on vdpbf16ps: queries first..first+m-1 of head h, at positions start.., over keys and
-    values 0..start+m-1, all as bfloat16 (queries and weights rounded here, keys and values as written), the
-    scores scaled inside the softmax; into out (m, D). s: float32 (m, n) scratch; P: n_positions; pairs: a
-    thread's row of uint16 scratch (pairs_width); sums: float32, a tile of paneltiles' sums."""
+    values 0..n-1, n = start + m, all as bfloat16 (queries and weights rounded here, keys and values as
+    written), the scores scaled inside the softmax; into out (m, D). qkv: (N, 3C); ks, vs, runs[lo:hi]: the
+    sequence's stores and runs; half: a float16 cache's; scale: 1 / sqrt(D); s: float32 (m, n) scratch; P:
+    n_positions; pairs: a thread's row of uint16 scratch (pairs_width); sums: float32 (TILE_ROWS * OUTPUTS,),
+    a tile of paneltiles' sums; bits: int32 (P,) scratch."""
     n, D = start + m, out.shape[1]
     q, rows, p, panels = _pairs_views(pairs, D, P, m, n)
     for i in range(m):
@@ -254,7 +258,7 @@ def _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scra
     (B + 1,); pos0: (B,); tiles, bounds: from _attention_plan, its runs claimed by the
     threads as they are free; out: (N, C), heads side by side; scratch: (threads,
     attend_width(D, P)), a row per thread. For a tile of
-    queries i0..i1-1 of sequence b, BLAS computes the scores against its keys
+    queries i0..i1-1 of sequence b, BLAS (or vdpbf16ps, below) computes the scores against its keys
     0..pos0[b]+i1-1; the softmax of the query at pos reads keys 0..pos only and
     zeroes the rest, so the mask is exact and by loop bounds. A compact cache (uint16
     bits: float16 when ``half``, else bfloat16) has the tile's visible keys, then its

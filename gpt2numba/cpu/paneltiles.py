@@ -126,8 +126,8 @@ def _transpose_block(typingctx, w, first, h0, pairs, at):
 @intrinsic
 def _pair_rows(typingctx, w, r, first, pairs, at):
     """pairs[at + i] = w[r, first + i] | w[r + 1, first + i] << 16 for i < LANES: two loads, two widenings, a
-    shift, an or and a store. (The same as a loop in Numba packed 4.3x slower: the compiler cannot tell pairs
-    and w apart.) w: uint16 (K, N), C order; pairs: uint32, C order."""
+    shift, an or and a store. (The same as a loop in Numba is several times slower, docs/performance.md: the
+    compiler cannot tell pairs and w apart.) w: uint16 (K, N), C order; pairs: uint32, C order."""
     if not (_is_c(w, types.uint16, 2) and _is_c(pairs, types.uint32, 1)):
         return None
 
@@ -135,7 +135,7 @@ def _pair_rows(typingctx, w, r, first, pairs, at):
         wa, pa = context.make_array(sig.args[0])(context, builder, args[0]), \
             context.make_array(sig.args[3])(context, builder, args[3])
         r, first, at = args[1], args[2], args[4]
-        i64, vh, vi = ir.IntType(64), ir.VectorType(ir.IntType(16), LANES), ir.VectorType(ir.IntType(32), LANES)
+        vh, vi = ir.VectorType(ir.IntType(16), LANES), ir.VectorType(ir.IntType(32), LANES)
         N = builder.extract_value(wa.shape, 1)
         lo = builder.add(builder.mul(r, N), first)
         halves = [builder.zext(builder.load(builder.bitcast(builder.gep(wa.data, [at_]), vh.as_pointer()), align=2), vi)

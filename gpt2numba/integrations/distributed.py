@@ -86,8 +86,9 @@ def score_dataset(ds, model: str | None, *, dtype: str = "float32", activations:
     """``ds`` (a ray.data.Dataset with a text column) plus tokens, nll, perplexity and bits_per_byte columns.
 
     model: a checkpoint path on every node (or None: $GPT2NUMBA_WEIGHTS, else random GPT-2 small), kept as
-    ``dtype``, its products taking ``activations`` (docs/formats.md); each worker takes threads_per_worker CPUs (default 1) and ``concurrency`` workers run (default:
-    as many as the cluster's CPUs allow, less one for reading). Lazy, as Ray Data is: nothing runs until the result is
+    ``dtype``, its products taking ``activations`` (docs/formats.md); each worker takes threads_per_worker
+    CPUs (default 1) and ``concurrency`` workers run (default: as many as the cluster's CPUs allow, less one
+    for reading). Lazy, as Ray Data is: nothing runs until the result is
     read or written. Raises ConfigError for settings out of range; a missing column is reported by
     the workers when the data is read.
     """

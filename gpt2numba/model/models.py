@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import GPT2NumbaError
 from .config import GPT2Config
 from .checkpoints import load_weights
-from .weights import GPT2Weights, random_weights
+from .weights import GPT2Weights, check_dtype, random_weights
 
 RANDOM_NOTE = "random GPT-2 small weights (seed 0): the text is meaningless; pass --model for a real checkpoint"
 RANDOM_NAME = "random-gpt2-small"  # the server's model id for them, unless --model-name says otherwise
@@ -27,6 +27,7 @@ def resolve_model(model: str | None, dtype: str = "float32", activations: str = 
     their products take their inputs (compact.ACTIVATIONS). Raises
     GPT2NumbaError (a checkpoint error, a missing path, or a hub name that cannot be fetched).
     """
+    check_dtype(dtype, activations=activations)  # before anything is built or read
     if model is None:
         env = os.environ.get("GPT2NUMBA_WEIGHTS") or None
         try:

@@ -58,8 +58,8 @@ def bfloat16_inputs(x):
     return np.ldexp(np.round(mantissa * 256) / 256, exponent)
 
 
-def block(x, w: GPT2Weights, layer: int, inputs=exact):
-    # [T, C] -> [T, C]; every matrix product multiplies inputs(its input)
+def block(x, w: GPT2Weights, layer: int, inputs=exact, attend=exact):
+    # [T, C] -> [T, C]; every matrix product multiplies inputs(its input), attention's attend(its inputs)
     f64 = lambda a: a[layer].astype(np.float64)  # noqa: E731
     eps = w.config.layer_norm_epsilon
     n_head = w.config.n_head
@@ -67,8 +67,6 @@ def block(x, w: GPT2Weights, layer: int, inputs=exact):
     h = layer_norm(x, f64(w.ln_1_g), f64(w.ln_1_b), eps)
     qkv = inputs(h) @ f64(w.c_attn_w) + f64(w.c_attn_b)  # [T, C] -> [T, 3C]
     q, k, v = np.split(qkv, 3, axis=-1)  # 3 x [T, C]
-    # attention rounds its inputs as the blocks' products do with bfloat16 activations, not with int8's groups
-    attend = inputs if inputs is bfloat16_inputs else exact
     heads = [attention(*hv, attend) for hv in zip(*(np.split(a, n_head, axis=-1) for a in (q, k, v)))]
     x = x + inputs(np.hstack(heads)) @ f64(w.attn_c_proj_w) + f64(w.attn_c_proj_b)
 
@@ -145,11 +143,12 @@ def final_states(ids, w: GPT2Weights):
     if len(ids) > w.config.n_positions:
         raise TokenError(f"{len(ids)} tokens is more than n_positions={w.config.n_positions}")
     inputs = int8_inputs if w.dtype in INTEGER else bfloat16_inputs if w.activations == "bfloat16" else exact
+    attend = bfloat16_inputs if w.activations == "bfloat16" else exact  # (int8's groups are the products' only)
     w = w.dequantized()
     T = len(ids)
     x = w.wte[ids].astype(np.float64) + w.wpe[:T].astype(np.float64)  # [T, C]
     for layer in range(w.config.n_layer):
-        x = block(x, w, layer, inputs)
+        x = block(x, w, layer, inputs, attend)
     h = layer_norm(x, w.ln_f_g.astype(np.float64), w.ln_f_b.astype(np.float64), w.config.layer_norm_epsilon)
     return inputs(h), w
 

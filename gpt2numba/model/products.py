@@ -191,7 +191,7 @@ class Workspace:
         return q, s, self._wide[: n * K].reshape(n, K)
 
     def attend_pairs(self, w: GPT2Weights) -> np.ndarray | None:
-        """Attention's bfloat16 scratch per thread (attention.pairs_width: 467 KB for GPT-2), for bfloat16
+        """Attention's bfloat16 scratch per thread (attention.pairs_width: 336 KB for GPT-2), for bfloat16
         activations on vdpbf16ps (as_bits; a head_dim of pairs); None, and attention multiplies float32."""
         if w.activations != "bfloat16" or not as_bits(False) or w.config.head_dim % 2:
             return None

@@ -39,7 +39,8 @@ def deployment(model: str | None, *, replicas: int = 1, dtype: str = "float32", 
     """A Ray Serve application (serve.run's argument) of ``replicas`` copies of gpt2numba's server.
 
     model: a checkpoint path on every node, a hub name, or None (models.resolve_model), kept as ``dtype``
-    (compact.DTYPES), its products taking ``activations`` (compact.ACTIVATIONS); threads: each replica's Numba threads and the CPUs it reserves (default 1);
+    (compact.DTYPES), its products taking ``activations`` (compact.ACTIVATIONS); threads: each replica's
+    Numba threads and the CPUs it reserves (default 1);
     server_settings: ServeConfig's for a replica (REPLICA_SETTINGS: max_batch, max_step_tokens, prefix_cache_mb,
     max_queue, max_queued_choices, max_choices, max_response_mb, api_key, model_name, max_body_bytes, kv_dtype),
     as the flags of ``gpt2numba serve`` set them; model_name defaults to the checkpoint's name. options: more of
