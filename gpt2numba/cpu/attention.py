@@ -22,7 +22,7 @@ from numba.extending import overload
 from . import paneltiles
 from .blas import _gemm
 from .chunks import _claimed
-from .kernels import (_ONE, FASTMATH, _as_float32, _cache_of, _exp_inplace, _rounded, _row_max, _to_bfloat16,
+from .kernels import (_ONE, FASTMATH, _cache_of, _exp_inplace, _from_bfloat16, _rounded, _row_max, _to_bfloat16,
                       _to_float32_f16)
 
 
@@ -87,8 +87,8 @@ def _query_values(s, values, first, end, shift, out, zero):
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _gathered(ks, runs, lo, hi, layer, h, n, dense, half):
-    """Positions 0..n-1 of one head of one layer, from runs[lo:hi] of ks, as float32 rows of dense (P, D),
-    widened from a compact cache's bits; a view of them."""
+    """Positions 0..n-1 of one head of one layer, from runs[lo:hi] of ks, as rows of dense (>= n, D) in its
+    format (_recast): float32 values, a compact cache's bits widened, or bfloat16 bits; a view of them."""
     D = dense.shape[1]
     for j in range(lo, hi):
         first, end, row = runs[j, 1], min(runs[j, 2], n), runs[j, 3]
@@ -96,60 +96,44 @@ def _gathered(ks, runs, lo, hi, layer, h, n, dense, half):
             break
         bits = _cache_of(ks, runs[j, 0])[layer, h, row : row + end - first].reshape((end - first) * D)
         out = dense[first:end].reshape((end - first) * D)
-        _widen(bits, out, half)
+        _recast(bits, out, half)
     return dense[:n]
 
 
-def _widen(bits, out, half):
-    """out[:] = bits as float32: a copy of float32, or float16 (``half``) or bfloat16 bits (uint16) widened."""
+def _recast(bits, out, half):
+    """out[:] = a cache's values ``bits`` in out's format. Into float32: a copy of float32, or float16
+    (``half``) or bfloat16 bits (uint16) widened. Into bfloat16 bits (uint16; bfloat16 activations, whose
+    cache holds bfloat16 values): float32 or float16 values' bits, or a copy of bfloat16 bits."""
 
 
-@overload(_widen, inline="always")
-def _widen_typed(bits, out, half):
-    if bits.dtype == types.float32:
+@overload(_recast, inline="always")
+def _recast_typed(bits, out, half):
+    if bits.dtype == out.dtype and bits.dtype == types.float32:
         def copy(bits, out, half):
             out[:] = bits
         return copy
+    if out.dtype == types.float32:
+        def widened(bits, out, half):
+            if half:
+                for j in range(bits.size):
+                    out[j] = _to_float32_f16(bits[j])
+            else:
+                for j in range(bits.size):
+                    out[j] = _from_bfloat16(bits[j])
+        return widened
+    if bits.dtype == types.float32:
+        def rounded(bits, out, half):
+            for j in range(bits.size):
+                out[j] = _to_bfloat16(bits[j])
+        return rounded
 
-    def from_bits(bits, out, half):
+    def as_bfloat16(bits, out, half):
         if half:
             for j in range(bits.size):
-                out[j] = _to_float32_f16(bits[j])
+                out[j] = _to_bfloat16(_to_float32_f16(bits[j]))
         else:
-            for j in range(bits.size):
-                out[j] = _as_float32(np.uint32(bits[j]) << 16)
-    return from_bits
-
-
-def _bits_of(x, half):
-    """The bfloat16 bits (uint16) of a value of a cache that holds it exactly so (written rounded): float32,
-    or float16 (``half``) or bfloat16 bits."""
-
-
-@overload(_bits_of, inline="always")
-def _bits_of_typed(x, half):
-    if x == types.float32:
-        return lambda x, half: _to_bfloat16(x)
-
-    def from_bits(x, half):
-        if half:
-            return _to_bfloat16(_to_float32_f16(x))
-        return x
-    return from_bits
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _gathered_bits(ks, runs, lo, hi, layer, h, n, out, half):
-    """Positions 0..n-1 of one head of one layer, from runs[lo:hi] of ks, as bfloat16 bits in out (n, D)."""
-    for j in range(lo, hi):
-        first, end, row = runs[j, 1], min(runs[j, 2], n), runs[j, 3]
-        if first >= n:
-            break
-        rows = _cache_of(ks, runs[j, 0])[layer, h]  # position t is rows[t + row - first]
-        for t in range(first, end):
-            src = rows[t + row - first]
-            for d in range(src.size):
-                out[t, d] = _bits_of(src[d], half)
+            out[:] = bits
+    return as_bfloat16
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
@@ -175,7 +159,7 @@ def _bits_tile(qkv, first, start, h, m, ks, vs, runs, lo, hi, layer, half, scale
     for i in range(m):
         for d in range(D):
             q[i, d] = _to_bfloat16(qkv[first + i, h * D + d])
-    _gathered_bits(ks, runs, lo, hi, layer, h, n, rows, half)
+    _gathered(ks, runs, lo, hi, layer, h, n, rows, half)
     paneltiles._panels(rows, q, None, s, False, 0, n, (panels, sums))
     for i in range(m):
         pos = start + i
@@ -183,7 +167,7 @@ def _bits_tile(qkv, first, start, h, m, ks, vs, runs, lo, hi, layer, half, scale
         for t in range(pos + 1):
             p[i, t] = _to_bfloat16(s[i, t] * inv)
         p[i, pos + 1:] = 0  # (and a last column of zeros, n being odd)
-    _gathered_bits(vs, runs, lo, hi, layer, h, n, rows, half)  # the values (n, D), now that the keys are done
+    _gathered(vs, runs, lo, hi, layer, h, n, rows, half)  # the values (n, D), now that the keys are done
     paneltiles._panels(rows, p, None, out, False, 0, D, (panels, sums), True)
 
 

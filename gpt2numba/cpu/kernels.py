@@ -291,9 +291,15 @@ def _to_bfloat16(x):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _from_bfloat16(bits):
+    """bfloat16 bits (uint16) -> their float32 value, exactly."""
+    return _as_float32(np.uint32(bits) << 16)
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _rounded(x):
     """float32 x to the nearest bfloat16, ties to even, as a float32."""
-    return _as_float32(np.uint32(_to_bfloat16(x)) << 16)
+    return _from_bfloat16(_to_bfloat16(x))
 
 
 def _store_row(src, dst, half, rounds):

@@ -20,7 +20,7 @@ from .rowtiles import TILE_OUTPUTS, TILE_ROWS, _tiles, _widen
 from .blas import _gemm
 from .chunks import _claimed, _span
 from .dispatch import BF16_DOT, ROW_CHUNKS, SERIAL_ROWS
-from .kernels import FASTMATH, _as_float32, _exp_inplace, _put, _to_bfloat16
+from .kernels import FASTMATH, _exp_inplace, _from_bfloat16, _put, _rounded, _to_bfloat16
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -98,18 +98,18 @@ def _round_bf16(x, out):
 @njit(cache=True, nogil=True, inline="always")
 def _round_row(x, out):
     for k in range(x.shape[0]):
-        out[k] = _as_stored(_to_bfloat16(x[k]), out)
+        out[k] = _rounded_as(x[k], out)
 
 
-def _as_stored(bits, out):
-    """bfloat16 ``bits`` as an element of ``out``: themselves (uint16), or their value (float32)."""
+def _rounded_as(x, out):
+    """float32 x rounded to bfloat16 as an element of ``out``: its bits (uint16), or its value (float32)."""
 
 
-@overload(_as_stored, inline="always")
-def _as_stored_typed(bits, out):
+@overload(_rounded_as, inline="always")
+def _rounded_as_typed(x, out):
     if out.dtype == types.uint16:
-        return lambda bits, out: bits
-    return lambda bits, out: _as_float32(np.uint32(bits) << 16)
+        return lambda x, out: _to_bfloat16(x)
+    return lambda x, out: _rounded(x)
 
 
 # Vocabulary rows per step of the head over several rows: a (HEAD_CHUNK, C) slice
@@ -284,4 +284,4 @@ def _expand_bf16(w, out):
             start, end = _span(c, ROW_CHUNKS, N, 1)
             for n in range(start, end):
                 for k in range(K):
-                    out[n, k] = _as_float32(np.uint32(w[n, k]) << 16)
+                    out[n, k] = _from_bfloat16(w[n, k])

@@ -28,7 +28,7 @@ from numba.extending import intrinsic, overload
 
 from .dispatch import BF16_DOT, MADD_WIDTH
 from .intkernels import _llvm, _prefetch
-from .kernels import _as_float32, _put
+from .kernels import _from_bfloat16, _put
 
 LANES = MADD_WIDTH // 2 if MADD_WIDTH else 8  # float32 lanes of the widest vector (int16 lanes / 2)
 TILE_ROWS = 4  # rows of x per tile
@@ -42,7 +42,7 @@ def _widen(v):
 @overload(_widen, inline="always")
 def _widen_typed(v):
     if v == types.uint16:
-        return lambda v: _as_float32(np.uint32(v) << 16)
+        return lambda v: _from_bfloat16(v)
     return lambda v: np.float32(v)
 
 

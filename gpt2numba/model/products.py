@@ -126,8 +126,9 @@ def head_inputs(w: GPT2Weights, h: np.ndarray):
     integer product multiplies them; with bfloat16 activations h rounded to bfloat16 (as_bits: bits for
     paneltiles, else their values for BLAS)."""
     if w.activations == "bfloat16":
-        bits = compact.to_bfloat16(h)
-        return bits if as_bits(False) else compact.from_bfloat16(bits)
+        rounded = np.empty(h.shape, np.uint16 if as_bits(False) else np.float32)
+        _round_bf16(np.ascontiguousarray(h, np.float32), rounded)  # (as Workspace.rounded rounds the products')
+        return rounded
     return inttiles.laid_out(h) if w.scales else h
 
 
