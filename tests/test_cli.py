@@ -24,6 +24,10 @@ def test_check_on_a_checkpoint(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "2 layers" in r.stdout and "all of 2 prompts and the batch match the oracle" in r.stdout
     assert r.stdout.count(" ok;") == 3 and "batch of 2: the same prompts in one pass" in r.stdout
+    from gpt2numba.cpu import amx
+
+    tiles = "Intel's matrix tiles (AMX): off: "  # (no tile kernel yet: off on every CPU, with the reason)
+    assert tiles + (amx.available() or "") in r.stdout, r.stdout
 
 
 def test_check_compact_dtypes(tmp_path):

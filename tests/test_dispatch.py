@@ -29,6 +29,14 @@ def test_choices_per_instruction_set(isa):
     assert (c.f16c, c.madd_width, c.byte_madd, c.nibble_vnni) == instructions
 
 
+def test_the_matrix_tiles_need_all_three_features():
+    sapphire_rapids = _AVX512 | {"avx512vnni", "avx512bf16", "amx-tile", "amx-bf16", "amx-int8"}
+    assert dispatch.choose(frozenset(sapphire_rapids)).amx
+    for feature in ("amx-tile", "amx-bf16", "amx-int8"):
+        assert not dispatch.choose(frozenset(sapphire_rapids - {feature})).amx
+    assert not dispatch.choose(None).amx
+
+
 def test_this_cpu_is_chosen_for_once():
     assert dispatch.CHOICES == dispatch.choose(dispatch.FEATURES)
     assert (dispatch.ROWS_MAX, dispatch.INT4_ROWS_MAX, dispatch.TILE_VNNI) == (

@@ -13,7 +13,8 @@ on the CPUs that matter (tests/test_dispatch.py holds choose() to this table):
     SSE2 or AVX                        3           7             10            10             4       pmaddwd, 128 bits
     not x86                           64          64             64            10             4       generic vectors
 
-bf16_dot_rows_max, where bfloat16 activations' products leave rowtiles' tiles for paneltiles' panels, is 32
+amx says whether the CPU has Intel's matrix tiles (amx-tile, amx-bf16, amx-int8: amx.py, which asks Linux for
+them); no product runs on them yet. bf16_dot_rows_max, where bfloat16 activations' products leave rowtiles' tiles for paneltiles' panels, is 32
 with AVX512_BF16 (where `vdpbf16ps` multiplies them) and BF16_ROWS_MAX's value elsewhere.
 Each number's measurement is one line beside it, in full in docs/performance.md, "Thresholds" (2 vCPUs,
 GPT-2 small's matrices). `gpt2numba tune` measures the row thresholds on the CPU it runs on and writes
@@ -28,6 +29,7 @@ from typing import NamedTuple
 
 from . import tuning
 
+AMX_FEATURES = ("amx-tile", "amx-bf16", "amx-int8")  # Intel's matrix tiles, as LLVM names them (amx.py)
 GROUP = 32  # inputs per int8/int4 scale (model/compact.py); divides every GPT-2 width (768 ... 1600) and 4x it
 
 
@@ -68,6 +70,7 @@ class Choices(NamedTuple):
     int4_rows_max: int  # the same for int4
     bf16_dot_rows_max: int  # bfloat16 activations' rows up to which rowtiles' tiles run, not paneltiles (BF16_DOT),
     # or without AVX512_BF16 BLAS on the rounded values
+    amx: bool  # Intel's matrix tiles (tdpbf16ps, tdpbusd: amx.py), which Linux lends on request; no kernel yet
 
 
 def choose(features: frozenset[str] | None) -> Choices:
@@ -104,6 +107,7 @@ def choose(features: frozenset[str] | None) -> Choices:
         # AVX512_BF16 (Zen 4): 4 layers' matrices, 24 rows 7.3 ms in the tiles, 7.7 in panels; 32 rows 8.5 and
         # 8.5; 48 rows 12.0 and 10.0; without it, tiles that widen both operands against BLAS, as bfloat16's own
         bf16_dot_rows_max=32 if bf16_dot else bf16_rows_max,
+        amx=set(AMX_FEATURES) <= f,
     )
 
 
@@ -124,6 +128,7 @@ HEAD_ROWS_MAX = CHOICES.head_rows_max
 INT_ROWS_MAX = CHOICES.int_rows_max
 INT4_ROWS_MAX = CHOICES.int4_rows_max
 BF16_DOT_ROWS_MAX = CHOICES.bf16_dot_rows_max
+AMX = CHOICES.amx
 
 
 def describe_bf16() -> str:

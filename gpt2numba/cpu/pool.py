@@ -44,7 +44,7 @@ from llvmlite import binding as ll
 from numba import njit, prange
 
 from ..errors import ConfigError
-from . import threadlayer
+from . import amx, threadlayer
 from .regions import (  # noqa: F401  (TIDS, RUNNING, MOVED, _rescue, _syscall, SYS_GETTID: for the tests)
     LAZY, MASK_WORDS, MAX_THREADS, MOVED, NWORK, PIN, PIN_FAILS, PROBE, PROBE_TS, RUNNING, SEEN, START,
     SYS_GETTID, GEN, TIDS, _futex_wake, _get_thread_id, _masks, _parallel_for, _rescue, _state, _syscall, _worker)
@@ -430,10 +430,10 @@ def _start_in_region() -> None:
 
 
 def describe() -> str:
-    """Where this process's parallel regions run, for reports."""
+    """Where this process's parallel regions run, and whether on Intel's matrix tiles (amx.py), for reports."""
     if not enabled():
         off = f" (gpt2numba's pool is off: {_off[0]})" if _off else ""
-        return f"{threadlayer.describe()}{off}"
+        return f"{threadlayer.describe()}{off}; AMX tiles {amx.describe()}"
     n = int(_state[NWORK]) + 1
     out = f"gpt2numba's pool of {n} thread{'s' * (n > 1)}"
     if _sized:
@@ -444,7 +444,7 @@ def describe() -> str:
     failed = _pin_failures + ([f"{_state[PIN_FAILS]} in the pool's threads"] if _state[PIN_FAILS] else [])
     if failed:
         out += f"; pinning failed: {'; '.join(failed)}"
-    return out
+    return f"{out}; AMX tiles {amx.describe()}"
 
 
 _passes: dict[int, int] = {}  # native id of each Python thread inside a pass: how deep
