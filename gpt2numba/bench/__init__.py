@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         throughput.plot(report["throughput"], args.plot)
         print(f"\ndrew {args.plot}")
     m = report["machine"]
-    print(f"\nmachine: {m['cpu']}, {m['cpus']} CPUs; the integer tiles multiply with {m['integer_tiles']}")
+    print(f"\nmachine: {m['cpu']}, {m['cpus']} CPUs; the integer tiles multiply with {m['integer_tiles']}; "
+          f"Intel's matrix tiles (AMX): {m['amx']}")
     return _write(report, args.json)
 
 
@@ -95,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="skip transformers' generate at a batch predicted (from the last one) to take longer")
     p.add_argument("--no-throughput", action="store_true", help="skip the batched (throughput) section")
     p.add_argument("--no-transformers", action="store_true", help="only gpt2numba and the floors")
+    p.add_argument("--transformers-dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"),
+                   help="transformers' dtypes (default both; bfloat16 multiplies on AVX512_BF16 or Intel's matrix "
+                   "tiles where the CPU has them): prefill, decode and --score; throughput, cold start and memory "
+                   "run float32")
     p.add_argument("--no-processes", action="store_true", help="skip cold start and peak memory")
     p.add_argument("--json", type=Path, help="write every figure here")
     p.add_argument("--plot", type=Path, metavar="PNG",

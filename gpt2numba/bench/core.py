@@ -325,6 +325,7 @@ def measure_floors(stored, args):
     # decode reads every matrix once, the output head included, but only one row of wpe
     decode_bytes = {dtype_name(d): wd.nbytes - wd.wpe.nbytes for d, wd in stored.items()}
     decode_bytes["transformers"] = decode_bytes[dtype_name("float32")]
+    decode_bytes["transformers-bf16"] = decode_bytes["transformers"] // 2  # (every tensor of it in bfloat16)
     floors = {"read_gb_s": bandwidth / 1e9, "gemm_gflop_s": gemm / 1e9, "decode_bytes": decode_bytes,
               "decode_floor_ms": {k: 1e3 * b / bandwidth for k, b in decode_bytes.items()},
               "prefill_floor_ms": {T: 1e3 * prefill_flops(cfg, T) / gemm for T in args.lengths}}
@@ -488,12 +489,13 @@ def in_turns(conditions, rounds):
 
 
 def machine():
-    """What the figures were measured on: the CPU (as Linux names it) and how the integer tiles multiply on it."""
-    from ..cpu import inttiles
+    """What the figures were measured on: the CPU (as Linux names it), how the integer tiles multiply on it, and
+    whether Intel's matrix tiles (AMX) ran."""
+    from ..cpu import amx, inttiles
     from ..cpu.dispatch import cpu_name
 
     return {"cpu": cpu_name(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
-            "integer_tiles": "vpdpbusd (VNNI)" if inttiles.QUADS else "pmaddwd"}
+            "integer_tiles": "vpdpbusd (VNNI)" if inttiles.QUADS else "pmaddwd", "amx": amx.describe()}
 
 
 # --- printing -------------------------------------------------------------------------------------------
@@ -502,11 +504,11 @@ def system_rows(row):
     return [(name, stats) for name, stats in row.items() if isinstance(stats, dict)]
 
 
-def versus(row, name):
-    """How many times faster than transformers (its median over ours)."""
-    if "transformers" not in row or name == "transformers":
+def versus(row, name, peer="transformers"):
+    """How many times faster than ``peer`` (its median over ours); "" for a peer's own rows."""
+    if peer not in row or name.startswith("transformers"):
         return ""
-    return f"{row['transformers']['median_ms'] / row[name]['median_ms']:.2f}x faster"
+    return f"{row[peer]['median_ms'] / row[name]['median_ms']:.2f}x faster"
 
 
 def percent(share):

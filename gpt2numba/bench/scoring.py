@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from .core import (PEAK_RSS, WORKER, Remote, alternate, dtype_name, gpt2numba_system, make_spec, peer_settings,
-                   percent, prefill_flops, print_peer_settings, progress, run_script, start_peer, summary,
+                   percent, prefill_flops, print_peer_settings, progress, run_script, summary,
                    wait_for_idle)
 from .peers import transformers
+from .standard import start_transformers
 
 
 def run(args, model_dir, w) -> dict:
@@ -37,12 +38,12 @@ def run(args, model_dir, w) -> dict:
               "docs": {"documents": len(docs), "doc_tokens": [low, high], "transformers_batch": args.score_batch}}
 
     mine = Remote(gpt2numba_system, "float32", model_dir, args.threads)
-    theirs = None if args.no_transformers else start_peer(transformers.system, "transformers", model_dir,
-                                                                  args.threads)
-    report["transformers"] = theirs.version if theirs else None
-    systems = [mine, *([theirs] if theirs else [])]
+    peers = start_transformers(model_dir, args)
+    report["transformers"] = peers[0].version if peers else None
+    report["transformers_kinds"] = [r.name for r in peers]
+    systems = [mine, *peers]
     try:
-        report["peers"] = peer_settings([theirs] if theirs else [])
+        report["peers"] = peer_settings(peers)
         jobs = {s.name: _jobs(s.name, long_ids, docs, args) for s in systems}
         for section, method in progress((("long", "score_long"), ("docs", "score_docs")), "scoring"):
             job = {name: jobs[name][method] for name in jobs}
@@ -52,7 +53,8 @@ def run(args, model_dir, w) -> dict:
         for remote in systems:
             remote.close()
     if not args.no_processes:
-        report["peak_rss_mb"] = _peak_rss(model_dir, args, long_ids, docs, theirs is not None)
+        with_theirs = "transformers" in report["transformers_kinds"]  # (float32's)
+        report["peak_rss_mb"] = _peak_rss(model_dir, args, long_ids, docs, with_theirs)
     if args.ray:
         report["ray"] = _ray_overhead(model_dir, w, docs, args)
     return report
@@ -69,7 +71,7 @@ def _workload(vocab_size: int, args):
 def _jobs(name, long_ids, docs, args) -> dict:
     """What each scoring method of the system ``name`` takes: transformers batches the short documents."""
     return {"score_long": (long_ids, args.score_stride),
-            "score_docs": (docs, args.score_batch) if name == "transformers" else docs}
+            "score_docs": (docs, args.score_batch) if name.startswith("transformers") else docs}
 
 
 def _alternate(systems, method, job, repeat):
@@ -179,16 +181,16 @@ def _ray_overhead(model_dir, w, docs, args):
 def print_report(r):
     theirs = r["transformers"]
     print(f"\ngpt2numba bench --score: {r['model']}, {r['threads']} threads, float32"
-          + (f"; against {theirs}" if theirs else ""))
+          + (f"; against {theirs}: {', '.join(r.get('transformers_kinds', ['transformers']))}" if theirs else ""))
     long, docs = r["long"], r["docs"]
-    print(f"\n{'workload':<34} {'system':<13} {'median s':>8} {'tok/s':>7} {'vs transformers':>15} "
+    print(f"\n{'workload':<34} {'system':<17} {'median s':>8} {'tok/s':>7} {'vs transformers':>15} "
           f"{'min-max s':>13} {'others':>6}")
     for label, row in ((f"1 x {long['tokens']} tokens, stride {long['stride']}", long),
                        (f"{docs['documents']} docs of {docs['doc_tokens'][0]}-{docs['doc_tokens'][1]} tokens", docs)):
         ours = row[dtype_name("float32")]
         for name, o in ((name, o) for name, o in row.items() if isinstance(o, dict)):
             versus = f"{o['tok_s'] / row['transformers']['tok_s']:.2f}x" if "transformers" in row else ""
-            print(f"{label:<34} {name:<13} {o['median_ms'] / 1e3:>8.2f} {o['tok_s']:>7.0f} "
+            print(f"{label:<34} {name:<17} {o['median_ms'] / 1e3:>8.2f} {o['tok_s']:>7.0f} "
                   f"{versus if o is ours else '':>15} {o['min_ms'] / 1e3:>6.2f}-{o['max_ms'] / 1e3:<6.2f} "
                   f"{percent(row['others_cpu']):>6}")
             label = ""

@@ -16,6 +16,8 @@ from .core import (GEMM_SHAPE, PEAK_RSS, WORKER, Remote, decode_runs, dtype_name
                    system_rows, versus, versus_float32, wait_for_idle, weights_format)
 from .peers import transformers
 
+BF16_PEER = "transformers-bf16"
+
 
 def run(args, model_dir, w) -> dict:
     """The standard run's figures: floors, accuracy, transformers, prefill, decode, throughput, cold_start,
@@ -32,16 +34,14 @@ def run(args, model_dir, w) -> dict:
     # Each system in its own process: two thread pools in one process fight for the
     # cores (each spins while the other works) and slow both several-fold.
     mine = [Remote(gpt2numba_system, dtype, model_dir, args.threads) for dtype in args.dtypes]
-    theirs = None if args.no_transformers else start_peer(transformers.system, "transformers", model_dir,
-                                                          args.threads)
-    if theirs is None and not args.no_transformers:
-        print("transformers or torch is not installed: printing gpt2numba and the floors only "
-              "(pip install -e \".[bench]\")", file=sys.stderr)
-    report["transformers"] = theirs.version if theirs else None
-    systems = [*mine, *([theirs] if theirs else [])]
+    peers = start_transformers(model_dir, args)
+    theirs = next((r for r in peers if r.name == "transformers"), None)  # float32: throughput, cold start, memory
+    report["transformers"] = peers[0].version if peers else None
+    report["transformers_kinds"] = [r.name for r in peers]
+    systems = [*mine, *peers]
     try:
-        if theirs:
-            report["peers"] = peer_settings([theirs])
+        if peers:
+            report["peers"] = peer_settings(peers)
         report["prefill"] = prefill_runs(systems, w, args)
         report["decode"] = decode_runs(systems, w, args)
         if not args.no_throughput:
@@ -55,6 +55,18 @@ def run(args, model_dir, w) -> dict:
         report["cold_start"] = _cold_start(model_dir, theirs is not None)
         report["peak_rss_mb"] = _peak_rss(model_dir, theirs is not None, w.config, args.dtypes)
     return report
+
+
+def start_transformers(model_dir, args) -> list:
+    """transformers in each of args.transformers_dtypes (torch's float32 and bfloat16), each a Remote of its
+    own; none when --no-transformers or when torch or transformers is not installed (which it says)."""
+    kinds = [] if args.no_transformers else [kind for kind, dtype in transformers.KINDS.items()
+                                             if dtype in args.transformers_dtypes]
+    peers = [r for r in (start_peer(transformers.system, kind, model_dir, args.threads) for kind in kinds) if r]
+    if kinds and not peers:
+        print("transformers or torch is not installed: printing gpt2numba and the floors only "
+              "(pip install -e \".[bench]\")", file=sys.stderr)
+    return peers
 
 
 def _accuracy(g, stored, args):
@@ -187,25 +199,27 @@ def print_report(r):
     floors = r["floors"]
     theirs = r["transformers"]
     print(f"\ngpt2numba bench: {r['model']}, {r['threads']} threads"
-          + (f"; against {theirs}, float32" if theirs else ""))
+          + (f"; against {theirs}: {', '.join(r.get('transformers_kinds', ['transformers']))}" if theirs else ""))
     print(f"floors: read {floors['read_gb_s']:.1f} GB/s, GEMM {floors['gemm_gflop_s']:.0f} GFLOP/s at "
           f"{'x'.join(map(str, GEMM_SHAPE))}; decode floor = weight bytes / read rate")
     print(f"\n{'prefill':>7}  {'system':<22} {'median ms':>9} {'tok/s':>6} {'/floor':>7} {'vs transformers':>15}"
-          f"  {'min-max ms':>15} {'others':>6}")
+          f"{'vs tf-bf16':>13}  {'min-max ms':>15} {'others':>6}")
     for T, row in r["prefill"].items():
         for name, o in system_rows(row):
             print(f"{T:>7}  {name:<22} {o['median_ms']:>9.1f} {1e3 * T / o['median_ms']:>6.0f} "
                   f"{o['median_ms'] / floors['prefill_floor_ms'][T]:>6.2f}x {versus(row, name):>15}"
-                  f"  {o['min_ms']:>7.1f}-{o['max_ms']:<7.1f} {percent(row['others_cpu']):>6}")
+                  f"{versus(row, name, BF16_PEER):>13}  {o['min_ms']:>7.1f}-{o['max_ms']:<7.1f} "
+                  f"{percent(row['others_cpu']):>6}")
         if "max_abs_logit_diff" in row:
             print(f"{'':>9}|gpt2numba - transformers| logits: {row['max_abs_logit_diff']:.1e}")
     print(f"\n{'decode':>7}  {'system':<22} {'ms/token':>9} {'floor':>6} {'/floor':>7} {'vs transformers':>15}"
-          f"  {'min-max ms':>15} {'others':>6}")
+          f"{'vs tf-bf16':>13}  {'min-max ms':>15} {'others':>6}")
     for context, row in r["decode"].items():
         for name, o in system_rows(row):
             floor = floors["decode_floor_ms"][name]
             print(f"{context:>7}  {name:<22} {o['median_ms']:>9.2f} {floor:>6.1f} {o['median_ms'] / floor:>6.2f}x "
-                  f"{versus(row, name):>15}  {o['min_ms']:>7.2f}-{o['max_ms']:<7.2f} {percent(row['others_cpu']):>6}")
+                  f"{versus(row, name):>15}{versus(row, name, BF16_PEER):>13}  {o['min_ms']:>7.2f}-{o['max_ms']:<7.2f} "
+                  f"{percent(row['others_cpu']):>6}")
         if "same_greedy_tokens" in row:
             print(f"{'':>9}same greedy tokens as transformers: {row['same_greedy_tokens']}")
     if "plain_process" in r:

@@ -9,10 +9,15 @@ import time
 import numpy as np
 
 
+KINDS = {"transformers": "float32", "transformers-bf16": "bfloat16"}  # a system's name -> torch's dtype for it
+
+
 def system(kind, model_dir, threads):
-    """(system, "transformers", version) for Remote; system and version are None when it is not installed."""
-    system = _load(model_dir, threads)
-    return system, "transformers", system.version if system else None
+    """(system, kind, version) for Remote: the model in float32 (kind "transformers") or in bfloat16
+    ("transformers-bf16", where torch's oneDNN multiplies on AVX512_BF16 or Intel's matrix tiles); system and
+    version are None when it is not installed."""
+    system = _load(model_dir, threads, KINDS[kind])
+    return system, kind, system.version if system else None
 
 
 class Theirs:
@@ -29,13 +34,13 @@ class Theirs:
         with self.torch.inference_mode():
             out = self.model(self.torch.as_tensor(np.asarray(ids)[None]), use_cache=True)
         self.past = out.past_key_values
-        return out.logits[0, -1].numpy()
+        return out.logits[0, -1].float().numpy()
 
     def decode(self, token):
         with self.torch.inference_mode():
             out = self.model(self.torch.tensor([[token]]), past_key_values=self.past, use_cache=True)
         self.past = out.past_key_values
-        return out.logits[0, -1].numpy()
+        return out.logits[0, -1].float().numpy()
 
     def generate(self, batch):
         """Batched greedy generate, as its users run it: {"tokens": (B, new) ids, "put_s": when each came}."""
@@ -105,7 +110,7 @@ class _Clock:
         pass
 
 
-def _load(model_dir, threads):
+def _load(model_dir, threads, dtype):
     try:
         import torch
         import transformers
@@ -117,6 +122,6 @@ def _load(model_dir, threads):
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    model = transformers.GPT2LMHeadModel.from_pretrained(str(model_dir)).eval()
+    model = transformers.GPT2LMHeadModel.from_pretrained(str(model_dir), torch_dtype=getattr(torch, dtype)).eval()
     return Theirs(torch, model, f"transformers {transformers.__version__}, torch {torch.__version__}")
 
