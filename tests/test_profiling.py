@@ -243,6 +243,10 @@ def test_bench_against_transformers_checks_itself(tmp_path):
     assert plain["bench_ms"] == report["prefill"]["4"]["transformers"]["median_ms"]
     assert "self-check: transformers' prefill 4 in plain processes" in r.stdout
     assert "transformers ran in a process of its own: 2 threads" in r.stdout
+    # transformers in bfloat16 beside it (--transformers-dtypes' default), the same way
+    assert report["transformers_kinds"] == ["transformers", "transformers-bf16"]
+    assert report["peers"]["transformers-bf16"]["imported"] == []
+    assert report["prefill"]["4"]["transformers-bf16"]["median_ms"] > 0 and "vs tf-bf16" in r.stdout
 
 
 def test_bench_llama(tmp_path):
@@ -511,3 +515,21 @@ def test_our_workers_run_with_claims_off(tmp_path):
         assert seen["threads"] == 1
     finally:
         ours.close()
+
+
+def test_amx_compile_study():
+    """profiling/studies/amx_compile.py: Numba emits the tile instructions for a Sapphire Rapids CPU on any x86
+    machine; --run multiplies a tile where the CPU has them, else says why not."""
+    from gpt2numba.cpu import amx, dispatch
+
+    if dispatch.FEATURES is None:
+        pytest.skip("not an x86 CPU: no tiles to compile for")
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "studies" / "amx_compile.py"), "--run"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[0] for line in r.stdout.splitlines()[1:6]] == [
+        "ldtilecfg", "tileloadd", "tileloadd", "tileloadd", "tdpbf16ps"]
+    if amx.available() is None:  # (Linux may still refuse the tiles, which the script says)
+        assert "one tile on this CPU: max |tdpbf16ps - float64|" in r.stdout or "not run: the tiles" in r.stdout
+    else:
+        assert f"not run: the tiles are off: {amx.available()}" in r.stdout
