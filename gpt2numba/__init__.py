@@ -14,6 +14,7 @@ from .errors import (
     CheckpointNotFoundError,
     ConfigError,
     GPT2NumbaError,
+    GrammarError,
     SamplingError,
     TokenError,
     TokenTypeError,
@@ -38,6 +39,7 @@ from .text.tokenizer import Tokenizer, load_tokenizer
 from .text.scoring import Score, perplexity, score, score_batch, score_text
 from .decoding.sample import Sampler, generate, generate_batch, generate_text, generate_text_batch
 from .decoding.beams import Hypothesis, beam_search, beam_search_batch
+from .decoding.constraints import Constraint, constraint
 
 __all__ = [
     "GPT2Config", "GPT2Weights", "ModelCache", "KV_DTYPES",
@@ -46,6 +48,7 @@ __all__ = [
     "generate", "generate_text", "beam_search", "beam_search_batch", "Hypothesis", "generate_batch", "generate_text_batch",
     "Score", "score", "score_batch", "score_text", "perplexity", "Sampler", "load_tokenizer", "Tokenizer", "set_threads", "get_threads",
     "GPT2NumbaError", "BatchError", "TokenError", "TokenTypeError", "CacheError", "CacheFullError",
-    "ConfigError", "CheckpointError", "CheckpointNotFoundError", "SamplingError",
+    "ConfigError", "CheckpointError", "CheckpointNotFoundError", "SamplingError", "GrammarError",
+    "Constraint", "constraint",
 ]
 __version__ = "0.1.0"

@@ -39,3 +39,8 @@ class BatchError(GPT2NumbaError, ValueError):
 
 class SamplingError(GPT2NumbaError, ValueError):
     """A generation setting is out of its range."""
+
+
+class GrammarError(GPT2NumbaError, ValueError):
+    """A structured-output constraint cannot be used: a JSON schema, regex, choice or grammar that does not
+    compile (the message names which and why), two of them at once, or llguidance missing."""

@@ -24,6 +24,7 @@ from ..model.forward import prefill_batch
 from ..model.kvcache import ModelCache, check_kv_dtype
 from ..model.weights import GPT2Weights
 from ..text.tokenizer import EOT_ID
+from .constraints import Constraint, Matcher
 from .prefixes import PrefixCache
 
 
@@ -65,6 +66,7 @@ class Sequence:
     shared: SharedPrompt | None = None  # its prompt's rows come from the leader of this, if not fed
     pending: np.ndarray | None = None  # (vocab,) logits after its prompt, when it copied them ready-made
     reserved: int = 0  # the positions its batch holds for it (Batch.need)
+    matcher: Matcher | None = None  # its constraint's state (structured output), if it has one
 
     def __post_init__(self):
         self.prompt_len = len(self.ids)
@@ -118,10 +120,12 @@ class Batch:
         return sum(mc.length - mc.shared for mc in caches), sum(mc.shared for mc in caches)
 
     def add(self, ids: list[int], *, max_new_tokens: int, sampler, rng: np.random.Generator,
-            stop_at_eos: bool = True, shared: SharedPrompt | None = None) -> Sequence:
+            stop_at_eos: bool = True, shared: SharedPrompt | None = None,
+            constraint: Constraint | None = None) -> Sequence:
         """A new sequence, prefilled in the next step; ids (checked) plus max_new_tokens >= 1 fit n_positions.
 
-        With ``shared`` (made for these very ids), the prompt is prefilled once for all its uses.
+        With ``shared`` (made for these very ids), the prompt is prefilled once for all its uses. With
+        ``constraint``, each token keeps its text inside it, and it ends when the text is complete.
         """
         assert not self.full and max_new_tokens >= 1
         need = self.need(ids, max_new_tokens, shared)
@@ -129,6 +133,7 @@ class Batch:
         cache = ModelCache(self.w.config, max_len=len(ids) + max_new_tokens, dtype=self.kv_dtype)
         seq = Sequence(list(ids), max_new_tokens, sampler, rng, _stop_ids(sampler) if stop_at_eos else (), cache)
         seq.reserved = need
+        seq.matcher = Matcher(constraint) if constraint is not None else None
         if shared is not None:
             assert shared.uses >= 1
             shared.uses -= 1
@@ -216,9 +221,14 @@ class Batch:
             if seq not in row_of:
                 continue
             row = row_of[seq]
-            token = seq.sampler(row, seq.ids, seq.rng, seq.prompt_len)
+            if seq.matcher is None:
+                token = seq.sampler(row, seq.ids, seq.rng, seq.prompt_len)
+            else:
+                token = seq.sampler(row, seq.ids, seq.rng, seq.prompt_len, seq.matcher.allowed())
+                seq.matcher.advance(token)
             seq.ids.append(token)
-            done = token in seq.stop_ids or seq.new_tokens == seq.max_new_tokens
+            done = (token in seq.stop_ids or seq.new_tokens == seq.max_new_tokens
+                    or (seq.matcher is not None and seq.matcher.done))
             if done:
                 self.remove(seq)
             else:

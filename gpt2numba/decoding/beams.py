@@ -27,6 +27,7 @@ from ..model import checks
 from ..model.forward import decode_batch, prefill_batch
 from ..model.kvcache import ModelCache, check_kv_dtype
 from ..model.weights import GPT2Weights
+from .constraints import Constraint, Matcher, per_sequence
 from .processors import Processors
 
 _FAR = 1.0e9  # what transformers subtracts from a score to rule a candidate out (not -inf: sums stay finite)
@@ -44,28 +45,36 @@ class Hypothesis:
 def beam_search(prompt_ids, w: GPT2Weights, *, num_beams: int, max_new_tokens: int, length_penalty: float = 1.0,
                 early_stopping: bool | str = False, num_return_sequences: int = 1, no_repeat_ngram_size: int = 0,
                 repetition_penalty: float = 1.0, eos_token_id=None, min_new_tokens: int = 0,
-                bad_words_ids=None, kv_dtype: str | None = None) -> list[Hypothesis]:
+                bad_words_ids=None, kv_dtype: str | None = None, json_schema=None, regex=None, choice=None,
+                grammar=None, tokenizer=None) -> list[Hypothesis]:
     """The ``num_return_sequences`` best hypotheses of a beam search from ``prompt_ids``, best first.
 
     num_beams >= 1; max_new_tokens >= 1 (prompt + max_new_tokens <= n_positions); length_penalty a finite
     number (> 0 favours longer hypotheses); early_stopping True, False or "never"; 1 <= num_return_sequences
     <= num_beams; eos_token_id an id or ids (default <|endoftext|>); no_repeat_ngram_size, repetition_penalty,
     min_new_tokens and bad_words_ids as in Sampler; kv_dtype the caches' (kvcache.KV_DTYPES, default float32).
+    json_schema, regex, choice or grammar (at most one, as generate takes them, with ``tokenizer``): every
+    beam's tokens keep its text inside it (-inf for the others, after the processors), and a beam whose text
+    is complete ends there, as at an end-of-text id.
     Everything is checked before any work: SamplingError for a setting, TokenError / TokenTypeError for ids,
-    CacheFullError when the prompt and max_new_tokens pass n_positions, ConfigError for kv_dtype.
+    CacheFullError when the prompt and max_new_tokens pass n_positions, ConfigError for kv_dtype,
+    GrammarError for a constraint.
     """
     return beam_search_batch([prompt_ids], w, num_beams=num_beams, max_new_tokens=max_new_tokens,
                              length_penalty=length_penalty, early_stopping=early_stopping,
                              num_return_sequences=num_return_sequences, no_repeat_ngram_size=no_repeat_ngram_size,
                              repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
-                             min_new_tokens=min_new_tokens, bad_words_ids=bad_words_ids, kv_dtype=kv_dtype)[0]
+                             min_new_tokens=min_new_tokens, bad_words_ids=bad_words_ids, kv_dtype=kv_dtype,
+                             json_schema=json_schema, regex=regex, choice=choice, grammar=grammar,
+                             tokenizer=tokenizer)[0]
 
 
 def beam_search_batch(prompts, w: GPT2Weights, *, num_beams: int, max_new_tokens: int, kv_dtype: str | None = None,
+                      json_schema=None, regex=None, choice=None, grammar=None, constraints=None, tokenizer=None,
                       **settings) -> list[list[Hypothesis]]:
     """beam_search for each of ``prompts``, their beams in one forward pass a step; a list per prompt, in
     order. Takes beam_search's settings and raises what it raises (naming the prompt), and BatchError for no
-    prompts."""
+    prompts; ``constraints`` as generate_batch takes it, one Constraint or None a prompt."""
     checks.weights(w)
     cfg = w.config
     checks.known_settings(settings, [f.name for f in fields(_Settings) if f.init])
@@ -73,8 +82,10 @@ def beam_search_batch(prompts, w: GPT2Weights, *, num_beams: int, max_new_tokens
     search.processors.check_vocab(cfg.vocab_size, default_eos=settings.get("eos_token_id") is None)
     kv_dtype = checks.labelled("kv_dtype: ", check_kv_dtype, "float32" if kv_dtype is None else kv_dtype)
     checked = checks.prompts(prompts, cfg, max_new_tokens)
-    beams = [_Beams(ids, search, [ModelCache(cfg, len(ids) + max_new_tokens, kv_dtype) for _ in range(num_beams)])
-             for ids in checked]
+    each = per_sequence(len(checked), constraints, tokenizer, cfg.vocab_size, json_schema=json_schema, regex=regex,
+                        choice=choice, grammar=grammar)
+    beams = [_Beams(ids, search, [ModelCache(cfg, len(ids) + max_new_tokens, kv_dtype) for _ in range(num_beams)],
+                    constraint) for ids, constraint in zip(checked, each)]
     logits = prefill_batch(checked, w, [b.caches[0] for b in beams])
     running = beams
     while running:
@@ -129,8 +140,11 @@ class _Settings:
 class _Beams:
     """One prompt's search: running beams (new ids, cumulative scores, caches) and finished hypotheses."""
 
-    def __init__(self, prompt: list[int], settings: _Settings, caches: list[ModelCache]):
+    def __init__(self, prompt: list[int], settings: _Settings, caches: list[ModelCache],
+                 constraint: Constraint | None = None):
         self.prompt, self.s = prompt, settings
+        # with a constraint, each running beam's Matcher (None: a beam the constraint left no token, ruled out)
+        self.matchers: list[Matcher | None] | None = None if constraint is None else [Matcher(constraint)]
         self.running: list[list[int]] = [[]]  # one beam until the first step: every beam starts as the prompt
         self.scores = np.zeros(1)  # (beams,) float64: sums of processed log-probabilities
         self.caches = caches[:1]  # one per running beam; the rest wait for the first step in spare
@@ -146,18 +160,25 @@ class _Beams:
         _log_softmax(np.ascontiguousarray(logits, np.float32), z)
         for b, ids in enumerate(self.running):
             s.processors(z[b], self.prompt + ids, len(self.prompt))
+            if self.matchers is not None:  # the constraint, after the processors (transformers' place for it)
+                z[b][~self.matchers[b].allowed() if self.matchers[b] is not None else slice(None)] = -np.inf
         scores, top = _best(z, self.scores, min(s.candidates, z.size))  # best first; ties by beam, then id
         parents, tokens = top // vocab, top % vocab
         length = len(self.running[0]) + 1  # every candidate's new tokens
         ends = np.isin(tokens, s.processors.eos_token_id) | (length >= s.max_new_tokens)
+        if self.matchers is not None:  # each candidate's place in the grammar; a complete text ends its beam
+            followed = [self._follow(p, t) if score > -np.inf else None for p, t, score in zip(parents, tokens, scores)]
+            ends |= np.array([m is not None and m.done for m in followed])
         full = len(self.finished) == s.num_beams
         if self.improvable and not (full and s.early_stopping is True):
             new = [(scores[i] / length ** s.length_penalty, self.running[parents[i]] + [int(tokens[i])])
-                   for i in np.flatnonzero(ends[: s.num_beams])]
+                   for i in np.flatnonzero(ends[: s.num_beams]) if scores[i] > -np.inf]
             self.finished = sorted(self.finished + new, key=lambda hypothesis: -hypothesis[0])[: s.num_beams]
         kept = np.argsort(-(scores - _FAR * ends), kind="stable")[: s.num_beams]
         self.scores = scores[kept] - _FAR * ends[kept]
         self.running = [self.running[parents[i]] + [int(tokens[i])] for i in kept]
+        if self.matchers is not None:
+            self.matchers = [followed[i] for i in kept]
         longest = s.max_new_tokens if s.early_stopping == "never" and s.length_penalty > 0 else length
         worst = self.finished[-1][0] if len(self.finished) == s.num_beams else -_FAR
         self.improvable = self.improvable and self.scores[0] / longest ** s.length_penalty > worst
@@ -167,6 +188,12 @@ class _Beams:
             self.caches = self.spare = []
         else:
             self._reorder(parents[kept])
+
+    def _follow(self, parent: int, token: int) -> Matcher:
+        """A running beam's Matcher advanced by a token it allows: its own copy, as beams share a parent."""
+        matcher = self.matchers[parent].fork()
+        matcher.advance(token)
+        return matcher
 
     def _reorder(self, parents: np.ndarray) -> None:
         """Each running beam's cache: its parent's own for the first child; for the others a free cache

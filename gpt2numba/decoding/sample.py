@@ -17,6 +17,7 @@ from ..model.kvcache import ModelCache, check_kv_dtype
 from ..model.weights import GPT2Weights
 from ..text.tokenizer import Tokenizer, resolve_tokenizer
 from .batching import Batch, Sequence, SharedPrompt
+from .constraints import Matcher, constraint as _constraint, per_sequence
 from .processors import Processors
 
 
@@ -72,16 +73,22 @@ class Sampler:
         settings = {f.name: getattr(self, f.name) for f in fields(Processors) if f.init}
         object.__setattr__(self, "processors", Processors(**settings))
 
-    def __call__(self, logits, previous, rng: np.random.Generator, prompt_len: int = 0) -> int:
+    def __call__(self, logits, previous, rng: np.random.Generator, prompt_len: int = 0,
+                 allowed: np.ndarray | None = None) -> int:
         """One token id from float logits (vocab,), given the ids so far (ids in [0, vocab)), of which the
-        first ``prompt_len`` are the prompt (for presence, frequency and min_new_tokens)."""
+        first ``prompt_len`` are the prompt (for presence, frequency and min_new_tokens). ``allowed``: a
+        constraint's mask (vocab,) bool (constraints.Matcher.allowed); the others get -inf after the
+        processors, where transformers puts its prefix constraint."""
         z = np.array(logits, dtype=np.float64)
         if z.ndim != 1 or z.size == 0:
             raise SamplingError(f"logits must be a non-empty 1-D array, got shape {z.shape}")
         if self.processors.active:
             self.processors(z, checks.token_ids(previous, z.size) if len(previous) else [], prompt_len)
-            if z.max() == -np.inf:
-                raise SamplingError("every token is banned (bad_words_ids, no_repeat_ngram_size, logit_bias)")
+        if allowed is not None:
+            z[~allowed] = -np.inf
+        if (self.processors.active or allowed is not None) and z.max() == -np.inf:
+            raise SamplingError("every token is banned (bad_words_ids, no_repeat_ngram_size, logit_bias"
+                                + (", the constraint" if allowed is not None else "") + ")")
         if self.temperature == 0:
             return int(np.argmax(z))
         cut = self.top_k is not None or self.top_p is not None or self.min_p or self.typical_p is not None
@@ -145,7 +152,8 @@ def _typical(z: np.ndarray, mass: float) -> np.ndarray:
 
 def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, seed: int | None = None,
              stop_at_eos: bool = True, slide: bool = False, cache: ModelCache | None = None,
-             kv_dtype: str | None = None, **sampling) -> Iterator[int]:
+             kv_dtype: str | None = None, json_schema=None, regex=None, choice=None, grammar=None,
+             tokenizer: Tokenizer | None = None, **sampling) -> Iterator[int]:
     """Yield new token ids one at a time: one prefill, then a decode step per token.
 
     ``sampling``: Sampler's settings (temperature, top_k, top_p, min_p, typical_p, repetition_penalty,
@@ -159,12 +167,19 @@ def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, seed: int | Non
     positions 0.., and goes on. The same seed gives the same tokens.
     ``cache`` (max_len = n_positions) is used instead of a new one; ``kv_dtype`` is the new one's
     dtype (kvcache.KV_DTYPES; default float32), or must be the given cache's.
+    ``json_schema``, ``regex``, ``choice`` or ``grammar`` (at most one; constraints.constraint, over
+    ``tokenizer``'s tokens, GPT-2's by default): every token keeps the text inside it, and the generation ends
+    when the text is complete and can take nothing more (or at <|endoftext|>, which it allows where the text
+    may end); cut short by max_new_tokens, the text is a prefix of a valid one.
     Raises SamplingError for settings out of range, TokenError/TokenTypeError
-    for bad prompt ids, ConfigError for a bad cache or kv_dtype.
+    for bad prompt ids, ConfigError for a bad cache or kv_dtype, GrammarError for a constraint that does not
+    compile.
     """
     checks.weights(w)
     cfg = w.config
     sampler = _settings(sampling, cfg.vocab_size, max_new_tokens, seed)
+    constraint = _constraint(json_schema=json_schema, regex=regex, choice=choice, grammar=grammar,
+                             tokenizer=tokenizer, vocab_size=cfg.vocab_size)
     ids = [int(t) for t in checks.token_ids(prompt_ids, cfg.vocab_size)]
     if len(ids) > cfg.n_positions:
         raise CacheFullError(f"the prompt has {len(ids)} tokens; the model's context is {cfg.n_positions}")
@@ -181,20 +196,27 @@ def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, seed: int | Non
         raise ConfigError("generate needs a cache of the weights' config with max_len = n_positions")
     elif kv_dtype is not None and cache.dtype != kv_dtype:
         raise ConfigError(f"kv_dtype={kv_dtype!r} but the cache given is {cache.dtype}: give one or the other")
-    return _generate(ids, w, cache, sampler, max_new_tokens, np.random.default_rng(seed), stop_at_eos)
+    return _generate(ids, w, cache, sampler, max_new_tokens, np.random.default_rng(seed), stop_at_eos, constraint)
 
 
-def _generate(ids, w, mc, sampler, max_new_tokens, rng, stop_at_eos):
+def _generate(ids, w, mc, sampler, max_new_tokens, rng, stop_at_eos, constraint):
     mc.reset()
     if max_new_tokens == 0:
         return
     logits = prefill(ids, w, mc)
     prompt_len = len(ids)
+    matcher = Matcher(constraint) if constraint is not None else None
     for n in range(max_new_tokens):
-        token = sampler(logits, ids, rng, prompt_len)
+        if matcher is None:
+            token = sampler(logits, ids, rng, prompt_len)
+        else:
+            token = sampler(logits, ids, rng, prompt_len, matcher.allowed())
+            matcher.advance(token)
         ids.append(token)
         yield token
         if (stop_at_eos and token in sampler.processors.eos_token_id) or n == max_new_tokens - 1:
+            return
+        if matcher is not None and matcher.done:
             return
         if mc.room == 0:  # only reached with slide=True: keep the newest half, re-prefill
             mc.reset()
@@ -205,10 +227,12 @@ def _generate(ids, w, mc, sampler, max_new_tokens, rng, stop_at_eos):
 
 def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, seed: int | None = None,
                    stop_at_eos: bool = True, batch_size: int | None = None, n: int = 1,
-                   kv_dtype: str = "float32", **sampling) -> Iterator[tuple[int, int]]:
+                   kv_dtype: str = "float32", **options) -> Iterator[tuple[int, int]]:
     """Generate for many prompts at once; yield (index, token_id) as tokens are produced.
 
-    ``sampling``: Sampler's settings, as for generate.
+    ``options``: Sampler's settings, as for generate, and a constraint: json_schema, regex, choice or grammar
+    for every prompt (as generate takes them, with ``tokenizer``), or ``constraints``, a list with one
+    Constraint (gpt2numba.constraint) or None a prompt. Each sequence follows its own.
     ``n`` samples of each prompt: sequence index = prompt_index * n + j for its j-th (index =
     prompt_index when n is 1). A prompt is prefilled once for its n samples (and for every
     repetition of it in ``prompts``); the others copy its cache rows (ModelCache.copy_prefix).
@@ -228,12 +252,13 @@ def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, seed: int | 
     BatchError for no prompts.
     """
     steps = _batch_steps(prompts, w, max_new_tokens=max_new_tokens, seed=seed, stop_at_eos=stop_at_eos,
-                         batch_size=batch_size, n=n, kv_dtype=kv_dtype, **sampling)
+                         batch_size=batch_size, n=n, kv_dtype=kv_dtype, **options)
     return ((i, token) for i, token, *_ in steps)
 
 
 def _batch_steps(prompts, w, *, max_new_tokens, seed=None, stop_at_eos=True, batch_size=None, n=1,
-                 kv_dtype="float32", streams=None, **sampling):
+                 kv_dtype="float32", streams=None, json_schema=None, regex=None, choice=None, grammar=None,
+                 constraints=None, tokenizer=None, **sampling):
     """generate_batch's checks, then its tokens as (sequence index, token_id, whether that sequence is done,
     its logits row (vocab,) float32, valid until the next step).
 
@@ -249,14 +274,18 @@ def _batch_steps(prompts, w, *, max_new_tokens, seed=None, stop_at_eos=True, bat
     if not checks.is_integer(n) or n < 1:
         raise SamplingError(f"n must be an integer >= 1, got {n!r}")
     check_kv_dtype(kv_dtype)
-    checked = [ids for ids in checks.prompts(prompts, cfg, max_new_tokens) for _ in range(n)]
+    prompts = checks.prompts(prompts, cfg, max_new_tokens)
+    each = per_sequence(len(prompts), constraints, tokenizer, cfg.vocab_size, json_schema=json_schema, regex=regex,
+                        choice=choice, grammar=grammar)
+    checked = [ids for ids in prompts for _ in range(n)]
+    each = [c for c in each for _ in range(n)]
     slots = min(batch_size or len(checked), len(checked))
     numbers = range(len(checked)) if streams is None else [k * n + j for k in streams for j in range(n)]
     rngs = [np.random.default_rng(None if seed is None else [seed, i]) for i in numbers]
-    return _generate_batch(checked, w, sampler, max_new_tokens, rngs, stop_at_eos, slots, kv_dtype)
+    return _generate_batch(checked, w, sampler, max_new_tokens, rngs, stop_at_eos, slots, kv_dtype, each)
 
 
-def _generate_batch(prompts, w, sampler, max_new_tokens, rngs, stop_at_eos, slots, kv_dtype):
+def _generate_batch(prompts, w, sampler, max_new_tokens, rngs, stop_at_eos, slots, kv_dtype, each):
     if max_new_tokens == 0:
         return
     batch = Batch(w, slots, kv_dtype=kv_dtype)
@@ -267,7 +296,7 @@ def _generate_batch(prompts, w, sampler, max_new_tokens, rngs, stop_at_eos, slot
         while waiting and not batch.full:  # a free slot takes the next sequence
             i = waiting.popleft()
             index_of[batch.add(prompts[i], max_new_tokens=max_new_tokens, sampler=sampler, rng=rngs[i],
-                               stop_at_eos=stop_at_eos, shared=shared[i])] = i
+                               stop_at_eos=stop_at_eos, shared=shared[i], constraint=each[i])] = i
         for seq, token, done, row in batch.step():
             yield index_of[seq], token, done, row
 
@@ -293,7 +322,7 @@ def generate_text_batch(texts, w: GPT2Weights, tokenizer: Tokenizer | None = Non
         if not isinstance(text, str):
             raise TokenTypeError(f"text {i} must be a str, got {type(text).__name__}")
     tokenizer = resolve_tokenizer(tokenizer)
-    steps = _batch_steps([prompt_ids(t, tokenizer) for t in texts], w, **options)
+    steps = _batch_steps([prompt_ids(t, tokenizer) for t in texts], w, tokenizer=tokenizer, **options)
     tokens: list[list[int]] = [[] for _ in range(len(texts) * options.get("n", 1))]
     for i, token, *_ in steps:
         if token != tokenizer.eot_id:
@@ -310,7 +339,7 @@ def generate_text(prompt: str, w: GPT2Weights, tokenizer: Tokenizer | None = Non
     tokenizer = resolve_tokenizer(tokenizer)
     if not isinstance(prompt, str):
         raise SamplingError(f"prompt must be a str, got {type(prompt).__name__}")
-    tokens = generate(prompt_ids(prompt, tokenizer), w, **options)
+    tokens = generate(prompt_ids(prompt, tokenizer), w, tokenizer=tokenizer, **options)
     return (text for _, text in text_stream(tokens, tokenizer) if text)
 
 

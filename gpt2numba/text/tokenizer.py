@@ -42,6 +42,11 @@ class Tokenizer:
         """Text of ``ids``; bytes that are not whole UTF-8 become U+FFFD."""
         return self._enc.decode(list(ids), errors="replace")
 
+    @property
+    def encoding(self):
+        """The tiktoken Encoding underneath (its tables give llguidance the vocabulary: decoding/constraints.py)."""
+        return self._enc
+
     def token_bytes(self, token_id: int) -> bytes:
         return self._enc.decode_single_token_bytes(token_id)
 
