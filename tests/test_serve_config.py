@@ -36,6 +36,7 @@ def test_every_flag_reaches_the_server(monkeypatch):
     """Each setting given by its flag, with a value other than its default, arrives in the config."""
     given = {"host": "0.0.0.0", "port": 1, "max_batch": 3, "max_step_tokens": 5, "prefix_cache_mb": 7, "kv_cache_mb": 8,
              "max_queue": 9, "max_queued_choices": 11, "max_choices": 10, "max_response_mb": 1.5,
+             "max_grammar_bytes": 100, "max_grammar_seconds": 0.5,
              "max_connections": 13, "header_timeout": 2.5, "body_timeout": 3.5, "keep_alive_timeout": 4.5,
              "api_key": "k", "model_name": "m", "shutdown_grace": 6}
     assert set(given) == {name for name, *_ in flags()}  # (a new flag: add it here)

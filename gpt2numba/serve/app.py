@@ -44,6 +44,8 @@ from .responses import Chunks, Whole, inspection_json, json_response
 
 log = logging.getLogger("gpt2numba.serve")
 
+_GRAMMAR_FIELDS = (b"response_format", b"guided_", b"json_schema", b"grammar")  # (requests._CONSTRAINED's)
+
 __all__ = ["ApiError", "MAX_LOGPROBS", "MAX_STOPS", "Routes", "create_app", "parse_completion"]
 
 PARSE_INLINE_BYTES = 2**16  # bodies up to this size are parsed on the event loop; larger ones in a thread,
@@ -126,7 +128,10 @@ class Routes:
             prompt, n, field = _choices(body)
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # before checking (or
                 check_choices(self.engine.config, len(prompt), n, field)  # tokenising) each prompt
-            r = parse_completion(body, self.tokenizer, cfg.n_positions, cfg.vocab_size)
+            settings = self.engine.config
+            r = parse_completion(body, self.tokenizer, cfg.n_positions, cfg.vocab_size,
+                                 max_grammar_bytes=settings.max_grammar_bytes,
+                                 max_grammar_seconds=settings.max_grammar_seconds)
             check_size(self.engine.config, [len(ids) for ids in r.prompts], r.best_of, r.max_tokens, r.logprobs,
                        r.echo, "best_of" if r.best_of > r.n else "n")
             check_cache(self.engine.max_positions, [len(ids) for ids in r.prompts], r.max_tokens)
@@ -146,8 +151,9 @@ class Routes:
             raise
 
     async def off_loop(self, parse, body: bytes):
-        """parse(body); a large body (many prompts, long texts) is parsed and tokenised off the event loop."""
-        if len(body) <= PARSE_INLINE_BYTES:
+        """parse(body); a large body (many prompts, long texts) is parsed and tokenised off the event loop, and
+        so is one that may carry a grammar to compile (a structured-output field's name in it)."""
+        if len(body) <= PARSE_INLINE_BYTES and not any(name in body for name in _GRAMMAR_FIELDS):
             return parse(body)
         async with self._parsing:
             return await asyncio.to_thread(parse, body)

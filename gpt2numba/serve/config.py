@@ -70,6 +70,15 @@ class ServeConfig:
     max_response_mb: float = _setting(64, Flag(
         "the largest response a request may ask for, estimated from its choices, tokens and log-probabilities; "
         "larger get 400 (default %(default)s)", "MB", positive=True))  # (admission.response_bytes)
+    # A structured-output field's grammar (a JSON schema, regex, choice or grammar: decoding/constraints.py):
+    # larger get 400, and so do those whose compiling takes longer (llguidance compiles a 20-field schema in
+    # about a millisecond; compiled ones are cached by their text)
+    max_grammar_bytes: int = _setting(2**16, Flag(
+        "the largest JSON schema, regex, choice list or grammar a request may give; larger get 400 (default "
+        "%(default)s)", "BYTES", at_least=1))
+    max_grammar_seconds: float = _setting(2.0, Flag(
+        "the longest a request's grammar may take to compile; longer get 400 (default %(default)s)", "SECONDS",
+        positive=True))
     max_connections: int = _setting(1024, Flag(
         "open connections; one more closes the one idle longest (default %(default)s)", "N", at_least=1),
         connection=True)

@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from ..decoding.batching import Batch, Sequence, SharedPrompt
+from ..decoding.constraints import Constraint
 from ..decoding.prefixes import PrefixCache
 from ..decoding.sample import Sampler
 from ..model.forward import prefill
@@ -59,6 +60,7 @@ class Completion:
     logprobs: int | None  # alternatives per token; None: no log-probabilities
     echo: bool
     ignore_eos: bool
+    constraint: Constraint | None = None  # structured output: every choice's text kept inside it
 
 
 class Watcher:
@@ -406,7 +408,7 @@ class Engine:
         if shared is not None and index % r.best_of == r.best_of - 1:
             del job.shared[choice.prompt]
         choice.sequence = self.batch.add(ids, max_new_tokens=r.max_tokens, sampler=r.sampler, rng=rng,
-                                         stop_at_eos=not r.ignore_eos, shared=shared)
+                                         stop_at_eos=not r.ignore_eos, shared=shared, constraint=r.constraint)
         self._owner[choice.sequence] = (job, choice)
 
     def _on_token(self, job: Job, choice: _Choice, token: int, done: bool, row: np.ndarray) -> None:
@@ -420,7 +422,9 @@ class Engine:
         logprobs = self.logprobs.rows(row[None], [token], r.logprobs) if r.logprobs is not None else None
         if r.best_of > r.n:  # the model's own log-probability of the token (not the sampler's), as vLLM ranks
             choice.logprob += logprobs.logprob if logprobs is not None else float(log_softmax(row[None])[0, token])
-        eos = token == self.tokenizer.eot_id and not r.ignore_eos
+        # (a constraint lets <|endoftext|> through only where its text may end: there it ends, ignore_eos or not)
+        eos = token == self.tokenizer.eot_id and (not r.ignore_eos or r.constraint is not None)
+        complete = choice.sequence.matcher is not None and choice.sequence.matcher.done  # its grammar's text
         text = choice.held + ("" if eos else choice.decode(token))
         if done:
             text += choice.decode(None)  # bytes of a character cut short
@@ -430,7 +434,7 @@ class Engine:
         if cut >= 0:  # a stop string: the text ends before it
             text, done, reason = text[:cut], True, "stop"
         else:
-            reason = "stop" if eos else "length"
+            reason = "stop" if eos or complete else "length"
             keep = 0 if done else _stop_prefix(text, r.stop)
             text, choice.held = text[:len(text) - keep], text[len(text) - keep:]
         self._emit(job, Text(choice.index, text, logprobs))

@@ -42,7 +42,8 @@ def deployment(model: str | None, *, replicas: int = 1, dtype: str = "float32", 
     (compact.DTYPES), its products taking ``activations`` (compact.ACTIVATIONS); threads: each replica's
     Numba threads and the CPUs it reserves (default 1);
     server_settings: ServeConfig's for a replica (REPLICA_SETTINGS: max_batch, max_step_tokens, prefix_cache_mb,
-    max_queue, max_queued_choices, max_choices, max_response_mb, api_key, model_name, max_body_bytes, kv_dtype),
+    max_queue, max_queued_choices, max_choices, max_response_mb, max_grammar_bytes, max_grammar_seconds, api_key,
+    model_name, max_body_bytes, kv_dtype),
     as the flags of ``gpt2numba serve`` set them; model_name defaults to the checkpoint's name. options: more of
     serve.deployment's (health_check_period_s, autoscaling_config, ...); its max_ongoing_requests, the
     requests Ray Serve hands a replica at once, defaults to max_batch + max_queue, so that the replica's own

@@ -9,7 +9,9 @@ import dataclasses
 import json
 import math
 
+from ..decoding.constraints import constraint
 from ..decoding.processors import MAX_BIAS
+from ..errors import GrammarError
 from ..decoding.sample import Sampler, prompt_ids
 from ..text.tokenizer import EOT_ID, Tokenizer
 from ..text.tokenview import MAX_TOP
@@ -63,11 +65,26 @@ _FIELDS = {
     "min_p": ((int, float), "a number"),
     "repetition_penalty": ((int, float), "a number"),
     "min_tokens": ((int,), "an integer"),
+    # structured output (decoding/constraints.py): OpenAI's, vLLM's and llama.cpp's fields, at most one
+    "response_format": ((dict,), "an object"),
+    "guided_json": ((dict, str), "an object or a JSON string"),
+    "guided_regex": ((str,), "a string"),
+    "guided_choice": ((list,), "a list of strings"),
+    "guided_grammar": ((str,), "a string"),
+    "json_schema": ((dict,), "an object"),
+    "grammar": ((str,), "a string"),
 }
+# each structured-output field -> the constraint it asks for (constraints.KINDS)
+_CONSTRAINED = {"response_format": "json_schema", "guided_json": "json_schema", "guided_regex": "regex",
+                "guided_choice": "choice", "guided_grammar": "grammar", "json_schema": "json_schema",
+                "grammar": "grammar"}
 
 
-def parse_completion(body, tokenizer: Tokenizer, n_positions: int, vocab_size: int) -> Completion:
-    """A POST /v1/completions body (parsed JSON), checked; ApiError(400) naming the field otherwise."""
+def parse_completion(body, tokenizer: Tokenizer, n_positions: int, vocab_size: int, *,
+                     max_grammar_bytes: int = 2**16, max_grammar_seconds: float = 2.0) -> Completion:
+    """A POST /v1/completions body (parsed JSON), checked; ApiError(400) naming the field otherwise. A
+    structured-output field's grammar is compiled here (at most ``max_grammar_bytes`` of it, compiled within
+    ``max_grammar_seconds``), before anything reaches the engine."""
     _typed(body, _FIELDS)
     get = body.get
     if get("suffix"):
@@ -99,7 +116,54 @@ def parse_completion(body, tokenizer: Tokenizer, n_positions: int, vocab_size: i
         seed=_in_range(get("seed"), None, 0, 2**63 - 1, "seed"), stream=bool(get("stream")),
         include_usage=bool(options.get("include_usage")),
         logprobs=_in_range(get("logprobs"), None, 0, MAX_LOGPROBS, "logprobs"),
-        echo=bool(get("echo")), ignore_eos=bool(get("ignore_eos")))
+        echo=bool(get("echo")), ignore_eos=bool(get("ignore_eos")),
+        constraint=_constraint(get, tokenizer, vocab_size, max_grammar_bytes, max_grammar_seconds))
+
+
+def _constraint(get, tokenizer: Tokenizer, vocab_size: int, max_bytes: int, max_seconds: float):
+    """The request's structured-output field as a Constraint (None for none, or response_format "text"):
+    compiled, within the bounds; a 400 naming the field otherwise."""
+    given = [name for name in _CONSTRAINED if get(name) is not None]
+    if len(given) > 1:
+        raise ApiError(400, f"give at most one of {', '.join(_CONSTRAINED)}; got {' and '.join(given)}", given[1])
+    if not given:
+        return None
+    field = given[0]
+    value = get(field)
+    if field == "response_format":
+        value = _response_format(value)
+        if value is None:
+            return None
+    size = len(value.encode() if isinstance(value, str) else json.dumps(value).encode())
+    if size > max_bytes:
+        raise ApiError(400, f"{field} is {size} bytes; this server takes at most {max_bytes} "
+                       "(--max-grammar-bytes)", field)
+    try:
+        made = constraint(**{_CONSTRAINED[field]: value}, tokenizer=tokenizer, vocab_size=vocab_size)
+    except GrammarError as e:
+        raise ApiError(400, f"{field}: {e}", field) from None
+    if made.compile_s > max_seconds:
+        raise ApiError(400, f"{field} took {made.compile_s:.1f} s to compile; this server allows "
+                       f"{max_seconds:g} s (--max-grammar-seconds)", field)
+    return made
+
+
+def _response_format(value: dict):
+    """OpenAI's response_format as a JSON schema: {"type": "json_object"} any object, {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}} its schema; None for {"type": "text"}."""
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise ApiError(400, 'response_format.type must be "text", "json_object" or "json_schema", got '
+                       f"{json.dumps(kind)[:40]}", "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ApiError(400, 'response_format "json_schema" needs json_schema.schema, a JSON schema object '
+                       '({"name": ..., "schema": {...}, "strict": true})', "response_format")
+    return spec["schema"]
 
 
 @dataclasses.dataclass(frozen=True)
