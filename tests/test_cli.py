@@ -237,6 +237,9 @@ def test_generate_no_repeat_ngram_size(gpt2_vocab, tmp_path):
     (["--num-beams", "3", "--temperature", "0"], "--temperature goes with sampling"),
     (["--num-beams", "3", "--seed", "0", "--top-k", "1"], "--top-k, --seed go with sampling"),
     (["--length-penalty", "0"], "--length-penalty goes with beam search"),
+    (["--regex", "a", "--choice", "b"], "give at most one of --json-schema, --regex, --choice, --grammar; got "
+                                        "--regex, --choice"),
+    (["--regex", "a", "--slide"], "--regex goes without --slide"),
 ])
 def test_generate_flags_that_do_not_go_together(args, match, tmp_path):
     """Exit 2 naming the flags, before any work: the model named does not exist, and a run that got as far as
@@ -496,3 +499,37 @@ def test_saved_weights_have_the_configs_mode(tmp_path):
 def test_a_bad_weights_variable_is_named(tmp_path):
     r = run("generate", "Hi", env={"GPT2NUMBA_WEIGHTS": str(tmp_path / "nowhere")})
     assert r.returncode == 1 and "$GPT2NUMBA_WEIGHTS=" in r.stderr and "nowhere" in r.stderr, r.stderr
+
+
+def test_generate_structured_output(gpt2_vocab, tmp_path):
+    """--json-schema, --regex, --choice and --grammar reach generate, generate_batch and beam search: the texts
+    are the library's, and valid; an error names the flag and its file."""
+    path, w, tok = gpt2_vocab
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    r = run("generate", "Data:", "--model", path, "--json-schema", str(tmp_path / "s.json"), "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    ids = list(g.generate(tok.encode("Data:"), w, max_new_tokens=50, temperature=0, json_schema=schema))
+    assert r.stdout == f"Data:{continuation(ids, tok)}\n" and json.loads(r.stdout[5:])["n"] in range(10)
+    (tmp_path / "p.txt").write_text("A:\nB:\n")
+    r = run("generate", "--prompts-file", str(tmp_path / "p.txt"), "--model", path, "--regex", "[0-9]{2}-[a-z]",
+            "--seed", "3", "--num-return-sequences", "2")
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(records) == 4 and all(re.fullmatch("[0-9]{2}-[a-z]", x["text"]) for x in records)
+    r = run("generate", "Q:", "--model", path, "--num-beams", "3", "--num-return-sequences", "2", "--choice", "yes",
+            "--choice", "no", "--choice", "not sure")
+    assert r.returncode == 0 and set(r.stdout.splitlines()) <= {"Q:yes", "Q:no", "Q:not sure"}, r.stderr
+    (tmp_path / "g.gbnf").write_text('root ::= "<" [a-c]+ ">"')
+    r = run("generate", "T:", "--model", path, "--grammar", str(tmp_path / "g.gbnf"), "--seed", "1",
+            "--max-new-tokens", "30")
+    assert r.returncode == 0 and re.fullmatch(r"T:(<[a-c]+>|<[a-c]*)\n", r.stdout), r.stdout
+    (tmp_path / "bad.json").write_text('{"type": "nothing"}')
+    for args, match in [(["--json-schema", str(tmp_path / "bad.json")], f"--json-schema {tmp_path / 'bad.json'}: "
+                         "Invalid type: nothing"),
+                        (["--json-schema", str(tmp_path / "none.json")], "none.json: no such file"),
+                        (["--regex", "(("], "--regex: "), (["--choice", ""], "--choice[0] must be a non-empty string")]:
+        r = run("generate", "x", "--model", path, *args)
+        assert r.returncode == 1 and match in r.stderr and "Traceback" not in r.stderr, r.stderr

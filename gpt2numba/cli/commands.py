@@ -123,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--early-stopping", choices=list(generate.EARLY_STOPPING),
                      help="beam search: stop once N beams ended (true), once none can do better (false, the "
                      "default), or that judged at --max-new-tokens (never)")
+    structured = gen.add_argument_group(
+        "structured output", "at most one; every token keeps the text inside it, and a text ends when complete "
+        "(the [structured] extra: llguidance)")
+    structured.add_argument("--json-schema", type=Path, metavar="FILE", help="a JSON schema (a file of JSON)")
+    structured.add_argument("--regex", metavar="RE", help="a regular expression the whole text matches")
+    structured.add_argument("--choice", action="append", metavar="TEXT",
+                            help="the text is one of these exactly; repeatable (--choice yes --choice no)")
+    structured.add_argument("--grammar", type=Path, metavar="FILE",
+                            help="a grammar: Lark (rule start) or GBNF (rule root, as llama.cpp's)")
     gen.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                      help="with --prompts-file: generate on a Ray cluster with Ray Data, the same records in the "
                      "prompts' order: the address of an existing cluster, or none to start a local one (the [ray] "

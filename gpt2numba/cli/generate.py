@@ -25,6 +25,8 @@ SAMPLER = ("temperature", "top_k", "top_p", "min_p", "typical_p", "presence_pena
 BEAM = ("length_penalty", "early_stopping")
 BOTH = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "eos_token_id")
 SAMPLING_ONLY = SAMPLER + ("seed", "batch_size", "no_stop", "slide")  # what beam search has no use for
+STRUCTURED = {"json_schema": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}  # flag ->
+# the library's argument (constraints.KINDS)
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
 
 
@@ -42,6 +44,12 @@ def conflict(args) -> str | None:
         return "--ray goes with --prompts-file"
     if args.ray is None and (given := _given(args, ("output", "format"))):
         return f"{_flags(given)} {_go(given)} with --ray"
+    if len(given := _given(args, STRUCTURED)) > 1:
+        return f"give at most one of {_flags(STRUCTURED)}; got {_flags(given)}"
+    if given and args.ray is not None:
+        return f"{_flags(given)} goes without --ray: the Ray workers generate without a constraint"
+    if given and args.slide:
+        return f"{_flags(given)} goes without --slide"
     n = args.num_return_sequences or 1
     if args.num_beams > 1:
         if given := _given(args, SAMPLING_ONLY):
@@ -101,6 +109,7 @@ def run(args) -> int:
     if args.bad_words:
         options["bad_words_ids"] = bad_words_ids(args.bad_words, tokenizer)
     options.update(max_new_tokens=args.max_new_tokens, kv_dtype=args.kv_dtype)
+    options.update(structured(args, tokenizer, vocab))
     if beam:
         options.update(num_beams=args.num_beams, num_return_sequences=n,
                        early_stopping=EARLY_STOPPING[args.early_stopping or "false"])
@@ -117,6 +126,31 @@ def run(args) -> int:
     if n > 1:
         return _samples(args.prompt, w, tokenizer, n, options, t0)
     return _stream(args.prompt, w, tokenizer, args.slide, options, t0)
+
+
+def structured(args, tokenizer, vocab) -> dict:
+    """The structured-output flag given as the library's argument ({} for none), with the tokenizer; compiled
+    here first so that an error names the flag (the library's cache makes the second compile free)."""
+    from ..decoding.constraints import constraint
+    from ..errors import GrammarError
+
+    given = _given(args, STRUCTURED)
+    if not given:
+        return {}
+    name = given[0]
+    flag = "--" + name.replace("_", "-")
+    value = getattr(args, name)
+    if name in ("json_schema", "grammar"):
+        flag += f" {value}"
+        value = utf8(Path(value).read_bytes(), str(value), 1) if Path(value).is_file() else None
+        if value is None:
+            raise GPT2NumbaError(f"{flag}: no such file")
+    try:
+        constraint(**{name: value}, tokenizer=tokenizer, vocab_size=None if vocab == math.inf else vocab)
+    except GrammarError as e:
+        message = str(e).removeprefix(name)  # ("json_schema is not valid JSON: ...", "regex: ...")
+        raise GPT2NumbaError(f"{flag}{message if message.startswith((' ', ':', '[')) else ': ' + message}") from None
+    return {name: value, "tokenizer": tokenizer}
 
 
 def bad_words_ids(words: list[str], tokenizer) -> list[list[int]]:
