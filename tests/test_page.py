@@ -278,3 +278,40 @@ def test_no_horizontal_scroll_at_360_px(driver, generated, tmp_path):
         assert widths[0] <= widths[1], f"scrollWidth {widths[0]} > innerWidth {widths[1]}"
     finally:
         driver.set_window_size(WIDTH, HEIGHT)
+
+
+def test_the_json_schema_box(driver, server, generated):
+    """A schema typed in the "JSON schema" box goes out as response_format, and the completion shown is JSON of
+    that schema (finished, or a prefix of it); a box that is not JSON is the page's error, and nothing is
+    posted. Runs after the tests above: it loads the page again."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 99}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    driver.get(f"{server.url}/")
+    wait_for(driver, lambda d: d.find_elements(By.ID, "json_schema"), "the JSON schema box", 30)
+    driver.find_element(By.CSS_SELECTOR, "details.schema summary").click()
+    for name, value in (("prompt", "Data:"), ("max_tokens", "40"), ("seed", "3"), ("json_schema", "{not json")):
+        field = driver.find_element(By.ID, name)
+        field.clear()
+        field.send_keys(value)
+    driver.get_log("performance")
+    driver.find_element(By.ID, "generate").click()
+    wait_for(driver, lambda d: state(d) == "error", "the page's error", 30)
+    assert text_of(driver, "#error").startswith("JSON schema: not valid JSON")
+    assert not [r for r in requests_made(driver.get_log("performance")) if r["url"].endswith("/v1/completions")]
+    box = driver.find_element(By.ID, "json_schema")
+    box.clear()
+    box.send_keys(json.dumps(schema))
+    driver.find_element(By.ID, "generate").click()
+    wait_for(driver, lambda d: state(d) in ("done", "error"), "the generation", GENERATE_S, server)
+    assert state(driver) == "done", text_of(driver, "#error")
+    sent = [json.loads(r["postData"]) for r in requests_made(driver.get_log("performance"))
+            if r["url"] == f"{server.url}/v1/completions" and r["method"] == "POST"]
+    assert [b["response_format"] for b in sent] == [{"type": "json_schema",
+                                                     "json_schema": {"name": "schema", "schema": schema}}]
+    text = text_of(driver, "#completion")
+    r = server.post("/v1/completions", {**{k: v for k, v in sent[0].items() if k != "stream"}}, key=None)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+    if r.json()["choices"][0]["finish_reason"] == "stop":
+        value = json.loads(text)
+        assert isinstance(value["ok"], bool) and 0 <= value["n"] <= 99

@@ -22,7 +22,8 @@
       : {"Content-Type": "application/json"};
   }
 
-  /** The completions request of the form: the inputs' values as numbers, the empty optional ones left out. */
+  /** The completions request of the form: the inputs' values as numbers, the empty optional ones left out, and
+      a JSON schema, if one is given, as OpenAI's response_format. */
   function request() {
     const value = (id) => $(id).value.trim();
     const number = (id) => Number(value(id) === "" ? $(id).defaultValue : value(id));
@@ -32,6 +33,16 @@
     body.n = number("n");
     if ($("stop").value !== "") body.stop = $("stop").value;
     if (value("seed") !== "") body.seed = Number(value("seed"));
+    const schema = value("json_schema");
+    if (schema !== "") {
+      let parsed;
+      try {
+        parsed = JSON.parse(schema);
+      } catch (e) {
+        throw new Error(`JSON schema: not valid JSON (${e.message})`);
+      }
+      body.response_format = {type: "json_schema", json_schema: {name: "schema", schema: parsed}};
+    }
     body.stream = true;
     return body;
   }
@@ -107,8 +118,8 @@
 
   function generate(event) {
     event.preventDefault();
-    const body = request();
     run(async (signal) => {
+      const body = request();  // (a schema that is not JSON fails here, shown as the page's error)
       $("prompt-text").textContent = body.prompt;
       $("completion").textContent = "";
       $("probabilities").hidden = true;
