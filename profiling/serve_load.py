@@ -45,6 +45,9 @@ def main(argv=None) -> int:
                    help="then the same load on llama.cpp's server (llama-cpp-python[server]) on an F32 GGUF of the "
                    "same weights")
     p.add_argument("--neighbour", action="store_true", help="then every level again beside a busy loop")
+    p.add_argument("--schema", action="store_true",
+                   help="then every level again with each stream under a JSON schema (guided_json; each client its "
+                   "own, which no text completes within --max-tokens)")
     p.add_argument("--json", type=Path, help="write every figure here")
     args = p.parse_args(argv)
     import httpx  # noqa: F401  (fails early without the [serve] extra)
@@ -63,6 +66,8 @@ def main(argv=None) -> int:
             report["concurrency"] = _levels(url, args)
             if args.neighbour:
                 report["neighbour"] = _beside_busy_loop(url, args)
+            if args.schema:
+                report["schema"] = _levels(url, args, run=2, schema=True)
         finally:
             if server:
                 server.terminate()
@@ -115,10 +120,19 @@ def _start(model: Path, args, tmp: Path):
     return _wait(server, f"http://127.0.0.1:{port}", "/health", tmp / "server.log"), server
 
 
-def _levels(url: str, args, alive: str = "/health", run: int = 0) -> dict:
+def _levels(url: str, args, alive: str = "/health", run: int = 0, schema: bool = False) -> dict:
     """Every --concurrency level against the server at url; ``alive``: the path polled meanwhile. Each
     ``run`` draws its own prompts: a run that repeated another's would find them in the server's prefix cache."""
-    return {n: asyncio.run(_level(url, n, args, alive, run)) for n in args.concurrency}
+    return {n: asyncio.run(_level(url, n, args, alive, run, schema)) for n in args.concurrency}
+
+
+def _schema(client: int) -> dict:
+    """Client ``client``'s JSON schema: records of a few fields, more of them than a stream's tokens can write."""
+    record = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8 + client},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "ok": {"type": "boolean"}, "kind": {"enum": ["a", "b", "c"]}},
+              "required": ["name", "n", "ok", "kind"], "additionalProperties": False}
+    return {"type": "array", "items": record, "minItems": 100}
 
 
 def _beside_busy_loop(url: str, args) -> dict:
@@ -185,7 +199,7 @@ def _prompts(rng, count: int, args) -> list[str]:
     return [tokenizer.decode(ids) for ids in rng.integers(0, tokenizer.eot_id, (count, args.prompt_tokens))]
 
 
-async def _level(url: str, n: int, args, alive: str, run: int) -> dict:
+async def _level(url: str, n: int, args, alive: str, run: int, schema: bool = False) -> dict:
     import httpx
 
     rng = np.random.default_rng([run, n])
@@ -195,8 +209,8 @@ async def _level(url: str, n: int, args, alive: str, run: int) -> dict:
         stop = asyncio.Event()
         health = asyncio.create_task(_poll_health(client, stop, alive))
         t0 = time.perf_counter()
-        per_client = await asyncio.gather(*(_client(client, _prompts(rng, args.rounds, args), args.max_tokens)
-                                            for _ in range(n)))
+        per_client = await asyncio.gather(*(_client(client, _prompts(rng, args.rounds, args), args.max_tokens,
+                                                    _schema(k) if schema else None) for k in range(n)))
         wall = time.perf_counter() - t0
         stop.set()
         health_s = await health
@@ -215,13 +229,14 @@ async def _level(url: str, n: int, args, alive: str, run: int) -> dict:
             **({"whole_request_ms": _percentiles(whole)} if whole else {})}
 
 
-async def _client(client, prompts, max_tokens):
-    return [await _stream(client, prompt, max_tokens) for prompt in prompts]
+async def _client(client, prompts, max_tokens, schema=None):
+    return [await _stream(client, prompt, max_tokens, schema) for prompt in prompts]
 
 
-async def _stream(client, prompt: str, max_tokens) -> dict:
+async def _stream(client, prompt: str, max_tokens, schema=None) -> dict:
     """One streamed completion: when each token's chunk came (a server without ignore_eos may stop early)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            **({"guided_json": schema} if schema else {})}
     t0 = time.perf_counter()
     times = []
     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -271,6 +286,11 @@ def _print(r):
         _table(r["neighbour"])
         print("TPOT p95 beside it over quiet: " + ", ".join(
             f"N={n} {o['tpot_ms']['p95'] / levels[n]['tpot_ms']['p95']:.2f}x" for n, o in r["neighbour"].items()))
+    if "schema" in r:
+        print("\nthe same with every stream under a JSON schema (guided_json, each client its own):")
+        _table(r["schema"])
+        print("tok/s with schemas over without: " + ", ".join(
+            f"N={n} {o['tok_s'] / levels[n]['tok_s']:.2f}x" for n, o in r["schema"].items()))
     if "llama_cpp" in r:
         theirs = r["llama_cpp"]
         print(f"\nllama.cpp's server ({theirs['version']}, python -m llama_cpp.server), an F32 GGUF of the same "

@@ -357,14 +357,14 @@ def test_serve_load_script(tmp_path):
     out = tmp_path / "load.json"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "serve_load.py"), "--model", str(tmp_path / "ckpt"),
                         "--concurrency", "1", "3", "--prompt-tokens", "8", "--max-tokens", "5", "--rounds", "1",
-                        "--neighbour", "--json", str(out)], capture_output=True, text=True, timeout=600)
+                        "--neighbour", "--schema", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
-    for levels in (report["concurrency"], report["neighbour"]):
+    for levels in (report["concurrency"], report["neighbour"], report["schema"]):
         three = levels["3"]
         assert three["requests"] == 3 and three["tokens"] == 15 and three["tpot_ms"]["p50"] > 0
     assert report["in_process_ms"]["decode_step_ms"] > 0 and "not streamed" in r.stdout
-    assert "beside it over quiet: N=1" in r.stdout
+    assert "beside it over quiet: N=1" in r.stdout and "tok/s with schemas over without: N=1" in r.stdout
 
 
 def test_serve_chunked_script(tmp_path):
@@ -533,3 +533,23 @@ def test_amx_compile_study():
         assert "one tile on this CPU: max |tdpbf16ps - float64|" in r.stdout or "not run: the tiles" in r.stdout
     else:
         assert f"not run: the tiles are off: {amx.available()}" in r.stdout
+
+
+def test_structured_script(tmp_path):
+    """profiling/structured.py on a tiny model with GPT-2's vocabulary: every section runs and prints, the
+    validity counts add up, and a grammar library that is not installed is said to be missing."""
+    write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")
+    out = tmp_path / "structured.json"
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "structured.py"), "--model", str(tmp_path / "ckpt"),
+                        "--seeds", "1", "--steps", "8", "--max-new-tokens", "24", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    for kind, cases in (("json_schema", 20), ("regex", 10)):
+        v = report["validity"][kind]
+        assert v["cases"] == cases and v["valid"] == v["stop"] and v["stop"] + v["length_prefixes"] == cases
+    assert report["cost"]["one"]["ratio"] > 0 and report["cost"]["parts_us"]["mask"] > 0
+    assert report["compile"]["fresh_ms"] > 0 and report["compare"]["llguidance"]["compile_ms"] > 0
+    for name in ("outlines-core", "xgrammar"):
+        assert ("missing" in report["compare"][name]) == (importlib.util.find_spec(name.replace("-", "_")) is None)
+    assert "decode step, one sequence" in r.stdout and "llguidance" in r.stdout

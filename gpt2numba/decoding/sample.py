@@ -77,18 +77,25 @@ class Sampler:
                  allowed: np.ndarray | None = None) -> int:
         """One token id from float logits (vocab,), given the ids so far (ids in [0, vocab)), of which the
         first ``prompt_len`` are the prompt (for presence, frequency and min_new_tokens). ``allowed``: a
-        constraint's mask (vocab,) bool (constraints.Matcher.allowed); the others get -inf after the
-        processors, where transformers puts its prefix constraint."""
+        constraint's mask (vocab,) bool (constraints.Matcher.allowed): after the processors, where
+        transformers puts its prefix constraint, only those tokens are sampled among, as if the others were
+        -inf (the same token from the same stream; an exp of -inf is slow, so they are left out instead)."""
         z = np.array(logits, dtype=np.float64)
         if z.ndim != 1 or z.size == 0:
             raise SamplingError(f"logits must be a non-empty 1-D array, got shape {z.shape}")
         if self.processors.active:
             self.processors(z, checks.token_ids(previous, z.size) if len(previous) else [], prompt_len)
-        if allowed is not None:
-            z[~allowed] = -np.inf
-        if (self.processors.active or allowed is not None) and z.max() == -np.inf:
+        ids = None if allowed is None else np.flatnonzero(allowed)  # the constraint's tokens, in id order
+        if ids is not None:
+            z = z[ids]
+        if (self.processors.active or ids is not None) and (z.size == 0 or z.max() == -np.inf):
             raise SamplingError("every token is banned (bad_words_ids, no_repeat_ngram_size, logit_bias"
-                                + (", the constraint" if allowed is not None else "") + ")")
+                                + (", the constraint" if ids is not None else "") + ")")
+        token = self._pick(z, rng)
+        return token if ids is None else int(ids[token])
+
+    def _pick(self, z: np.ndarray, rng: np.random.Generator) -> int:
+        """The index in z (processed logits, float64) of the token chosen: greedy, or sampled after the cuts."""
         if self.temperature == 0:
             return int(np.argmax(z))
         cut = self.top_k is not None or self.top_p is not None or self.min_p or self.typical_p is not None
