@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from gpt2numba.cpu import amx, dispatch, pool
+from gpt2numba.errors import ConfigError
 from gpt2numba.model import compact
 from gpt2numba.model.compact import GROUP
 from gpt2numba.model.config import GPT2Config
@@ -107,14 +108,14 @@ def test_quads_place_every_weight(out):
         c, j = divmod(col, 4)
         o = 16 * n + c
         assert tiles[n, g, r, col] == (m[o, GROUP * g + 4 * r + j] if o < out else 0)
-    with pytest.raises(ValueError, match="whole groups of 32"):
+    with pytest.raises(ConfigError, match="whole groups of 32"):
         amx.int8_quads(m[:, :40])
 
 
 # --- the split and the products through the layouts --------------------------------------------------------
 
 @given(st.integers(0, 2**32 - 1), st.integers(-30, 30))
-def test_split_keeps_float32_level_inputs(seed, exponent):
+def test_split_keeps_16_bits_of_each_input(seed, exponent):
     x = (np.random.default_rng(seed).standard_normal((3, 50)) * 2.0**exponent).astype(np.float32)
     hi, lo = np.zeros((2, 3, 50), np.uint16)
     amx.split_hi_lo(x, hi, lo)
@@ -163,16 +164,20 @@ def _fresh(monkeypatch):
 def test_the_tiles_are_off_without_the_features(monkeypatch):
     _fresh(monkeypatch)
     monkeypatch.setattr(dispatch, "FEATURES", frozenset({"avx512f", "amx-tile", "amx-bf16"}))
+    monkeypatch.setattr(dispatch, "AMX", dispatch.choose(dispatch.FEATURES).amx)
     assert amx.available() == "this CPU has no amx-int8"
     assert amx.request() == amx.available()
     assert amx.describe() == f"off: {amx.available()}"
     monkeypatch.setattr(dispatch, "FEATURES", None)
     assert amx.available() == "not an x86 CPU"
+    monkeypatch.setattr(dispatch, "AMX", True)
+    assert amx.available() is None
 
 
 def test_a_refused_request_falls_back_and_says_why(monkeypatch):
     _fresh(monkeypatch)
     monkeypatch.setattr(dispatch, "FEATURES", frozenset({*dispatch.AMX_FEATURES, "avx512f"}))
+    monkeypatch.setattr(dispatch, "AMX", True)
     calls = []
 
     def refusing(number, code, arg):
@@ -195,6 +200,7 @@ def test_a_refused_request_falls_back_and_says_why(monkeypatch):
 def test_a_kernel_without_the_tiles_state(monkeypatch):
     _fresh(monkeypatch)
     monkeypatch.setattr(dispatch, "FEATURES", frozenset(dispatch.AMX_FEATURES))
+    monkeypatch.setattr(dispatch, "AMX", True)
 
     def unsupported(number, code, arg):
         ctypes.cast(arg, ctypes.POINTER(ctypes.c_uint64))[0] = 0b11100111  # x87, SSE, AVX, AVX-512's three
@@ -209,6 +215,7 @@ def test_linux_answers_as_the_cpu_has_tiles(monkeypatch):
     features are forced (NUMBA_CPU_FEATURES could)."""
     _fresh(monkeypatch)
     monkeypatch.setattr(dispatch, "FEATURES", frozenset(dispatch.AMX_FEATURES))
+    monkeypatch.setattr(dispatch, "AMX", True)
     has_tiles = "amx_tile" in open("/proc/cpuinfo").read()
     assert (amx.request() is None) == has_tiles, amx.request()
 

@@ -5,8 +5,8 @@ A tile register holds up to 16 rows of 64 bytes. ``tdpbf16ps`` multiplies a tile
 x those two inputs) into a tile of 16 x 16 float32 sums; ``tdpbusd``/``tdpbssd`` do the same with bytes laid out
 by *quads* (a row per four inputs). So the weights are laid out once for the tiles (bf16_pairs, int8_quads) and
 the inputs are read as they are, rows of bfloat16 or bytes. float32 inputs to bfloat16 weights are split into two
-bfloat16 parts, x = hi + lo to 2^-16 of x (split_hi_lo), two tile passes into one sum: the product then keeps
-float32-level inputs, and bfloat16's tolerance holds unchanged (docs/formats.md).
+bfloat16 parts, x = hi + lo to 2^-16 of x (split_hi_lo: 16 of float32's 24 bits), two tile passes into one
+sum: the inputs' error is then far below bfloat16 weights' own, and their tolerance holds (docs/formats.md).
 
 Linux lends a process the tiles' 8 KB of register state only on request (``arch_prctl(ARCH_REQ_XCOMP_PERM,
 XFEATURE_XTILEDATA)``, Linux 5.16 on): the request grows every signal frame of the process, so it is made once,
@@ -29,6 +29,7 @@ import numpy as np
 from numba import njit
 
 from . import dispatch
+from ..errors import ConfigError
 from .dispatch import AMX_FEATURES, GROUP
 from .kernels import _from_bfloat16, _to_bfloat16
 
@@ -47,12 +48,11 @@ def available() -> str | None:
     compiles for it (dispatch.AMX) and GPT2NUMBA_AMX not 0. Else why not, in a sentence."""
     if os.environ.get("GPT2NUMBA_AMX", "1") == "0":
         return "GPT2NUMBA_AMX=0 in the environment"
+    if dispatch.AMX:
+        return None
     if dispatch.FEATURES is None:
         return "not an x86 CPU"
-    missing = [f for f in AMX_FEATURES if f not in dispatch.FEATURES]
-    if missing:
-        return f"this CPU has no {', '.join(missing)}"
-    return None
+    return f"this CPU has no {', '.join(f for f in AMX_FEATURES if f not in dispatch.FEATURES)}"
 
 
 _granted: list[str | None] = []  # request()'s answer, once asked
@@ -124,7 +124,7 @@ def int8_quads(q: np.ndarray) -> np.ndarray:
     tile[n, g][r, 4 c + j] = q[16 n + c, GROUP g + 4 r + j] (a half-height tile: a group is half a tile row's
     64 inputs, and every group's sums are scaled on their own)."""
     if q.shape[1] % GROUP:
-        raise ValueError(f"int8_quads takes whole groups of {GROUP} inputs, not {q.shape[1]}")
+        raise ConfigError(f"int8_quads takes whole groups of {GROUP} inputs, not {q.shape[1]}")
     return _tiled(q, 4, GROUP)
 
 
