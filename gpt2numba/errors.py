@@ -43,4 +43,10 @@ class SamplingError(GPT2NumbaError, ValueError):
 
 class GrammarError(GPT2NumbaError, ValueError):
     """A structured-output constraint cannot be used: a JSON schema, regex, choice or grammar that does not
-    compile (the message names which and why), two of them at once, or llguidance missing."""
+    compile, two of them at once, or llguidance missing. ``argument`` names the one at fault (None for none
+    in particular) and ``detail`` says what is wrong with it, so that the server and the command line can name
+    their own field or flag; the message is "argument: detail"."""
+
+    def __init__(self, detail: str, argument: str | None = None):
+        super().__init__(detail if argument is None else f"{argument}: {detail}")
+        self.detail, self.argument = detail, argument

@@ -130,20 +130,25 @@ def test_the_mask_is_what_the_grammar_accepts(tok):
         for t in rng.choice(ids, min(ids.size, 40), replace=False):
             m.fork().advance(t)
         for t in rng.choice(np.flatnonzero(~allowed), 40, replace=False):
-            with pytest.raises(g.GrammarError, match="does not follow the json_schema"):
+            with pytest.raises(g.GrammarError, match="json_schema: token .* does not follow it"):
                 m.fork().advance(t)
 
 
-@pytest.mark.parametrize("settings_", [{"temperature": 0}, {"temperature": 1.0}, {"temperature": 0.7, "top_k": 50},
-                                       {"temperature": 1.0, "top_p": 0.9, "repetition_penalty": 1.3}])
-def test_masked_sampling_is_sampling_from_minus_infinity_outside(tok, settings_):
+@pytest.mark.parametrize("settings_", [
+    {"temperature": 0}, {"temperature": 1.0}, {"temperature": 0.7, "top_k": 50}, {"temperature": 0.9, "top_k": 1},
+    {"temperature": 1.3, "top_k": 20000}, {"temperature": 1.0, "top_p": 0.9, "repetition_penalty": 1.3},
+    {"temperature": 0.8, "min_p": 0.05}, {"temperature": 1.0, "typical_p": 0.7, "presence_penalty": 1.0}])
+@pytest.mark.parametrize("ties", [False, True])
+def test_masked_sampling_is_sampling_from_minus_infinity_outside(tok, settings_, ties):
     """The Sampler with a mask picks exactly what it picks from logits that are -inf outside the mask: the
-    same token from the same random stream."""
+    same token from the same random stream, greedy ties (logits rounded to whole numbers) to the lower id."""
     sampler = g.Sampler(**settings_)
     rng = np.random.default_rng(1)
     for m in _places(tok):
         allowed = m.allowed()
         logits = rng.standard_normal(50257).astype(np.float32) * 3
+        if ties:
+            logits = np.round(logits)
         previous = list(rng.integers(0, 50257, 5))
         masked = np.where(allowed, logits, -np.inf)
         for seed in range(5):
@@ -152,9 +157,35 @@ def test_masked_sampling_is_sampling_from_minus_infinity_outside(tok, settings_)
             assert got == sampler(masked, previous, np.random.default_rng(seed), 2)
 
 
+def test_a_mask_of_one_token_chooses_it():
+    """Even where the processors banned it (min_new_tokens against the grammar's end of text): the grammar wins.
+    A mask that is not a bool mask of the logits' shape is refused."""
+    allowed = np.zeros(50257, bool)
+    allowed[EOT] = True
+    sampler = g.Sampler(min_new_tokens=5)
+    assert sampler(np.zeros(50257, np.float32), [1], np.random.default_rng(0), 1, allowed) == EOT
+    for bad in (np.array([3, 7]), allowed[:100], list(allowed)):
+        with pytest.raises(g.SamplingError, match="allowed must be a bool mask"):
+            sampler(np.zeros(50257, np.float32), [1], np.random.default_rng(0), 1, bad)
+
+
+def test_most_texts_finish(w, tok):
+    """Seeded, at temperature 1, a small schema and a bounded regex end with their text complete far more often
+    than not (the properties above would pass if nothing ever finished)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "s": {"type": "string", "maxLength": 5}},
+              "required": ["n", "s"], "additionalProperties": False}
+    for kind in ({"json_schema": schema}, {"regex": r"[a-c]{2,4}-[0-9]{1,2}"}):
+        c = g.constraint(**kind)
+        done = [finished(list(g.generate(tok.encode("x:"), w, max_new_tokens=60, seed=seed, **kind)), c, 60)
+                for seed in range(10)]
+        assert sum(done) >= 8, (kind, done)
+
+
 def test_a_mask_that_leaves_nothing_is_named(tok):
-    c = g.constraint(choice=["ab"])
+    c = g.constraint(choice=["ab", "cd"])
     allowed = Matcher(c).allowed()
+    assert allowed.sum() > 1
     banned = tuple((int(t),) for t in np.flatnonzero(allowed))  # every allowed token banned: nothing is left
     with pytest.raises(g.SamplingError, match="the constraint"):
         g.Sampler(bad_words_ids=banned)(np.zeros(50257, np.float32), [], np.random.default_rng(0), 0, allowed)
@@ -177,7 +208,6 @@ def test_a_batch_of_mixed_constraints_is_each_alone(w, tok):
             if c is not None:
                 finished(tokens, c, 25)
     # greedy: each sequence's tokens are its own alone (sampled ones draw from streams of their own)
-    assert out != [list(g.generate(p, w, max_new_tokens=25, temperature=0)) for p in prompts]
     greedy = [list(g.generate(p, w, max_new_tokens=25, temperature=0, **kind)) for p, kind in zip(prompts, kinds)]
     batch = [[] for _ in prompts]
     for i, t in g.generate_batch(prompts, w, max_new_tokens=25, batch_size=3, constraints=each, temperature=0):
@@ -200,19 +230,25 @@ def test_beams_under_a_constraint(w, tok):
     # fewer valid texts than beams: only those are returned
     assert len(g.beam_search(tok.encode("x"), w, num_beams=4, max_new_tokens=4, num_return_sequences=4,
                              choice=["A", "B"])) == 2
+    # texts of several tokens, more beams than texts: no beam ruled out comes back as a hypothesis
+    options = ["yes indeed", "no way at all", "perhaps"]
+    found = g.beam_search(tok.encode("x"), w, num_beams=4, max_new_tokens=8, num_return_sequences=4, choice=options)
+    assert found and all(text_of(h.ids, tok) in options and h.score > -1e8 for h in found)
 
 
 # --- what a caller can get wrong ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind, value, message", [
-    ("json_schema", "{not json", "json_schema is not valid JSON"),
+    ("json_schema", "{not json", "json_schema: not valid JSON"),
     ("json_schema", {"type": "nonsense"}, "json_schema: Invalid type: nonsense"),
-    ("json_schema", [1, 2], "json_schema must be a JSON object"),
+    ("json_schema", [1, 2], "json_schema: must be a JSON object"),
     ("regex", "((", "(?s)regex: .*unclosed group"),
-    ("regex", "", "regex must be a non-empty string"),
-    ("choice", [], "choice must be a non-empty list of strings"),
-    ("choice", "yes", "choice must be a non-empty list of strings"),
-    ("choice", ["a", 3], r"choice\[1\] must be a non-empty string"),
+    ("regex", "", "regex: must be a non-empty string"),
+    ("regex", "a{0}", "regex: matches no text but the empty one"),
+    ("regex", "[a&&b]", "regex: matches no text"),
+    ("choice", [], "choice: must be a non-empty list of strings"),
+    ("choice", "yes", "choice: must be a non-empty list of strings"),
+    ("choice", ["a", 3], "choice: entry 1 must be a non-empty string"),
     ("grammar", "start: undefined_rule", "(?s)grammar: .*unknown name"),
     ("grammar", "root ::= missing", "grammar: not a GBNF grammar llguidance can read"),
 ])
@@ -230,7 +266,7 @@ def test_one_constraint_at_a_time(w):
         list(g.generate_batch([[1]], w, max_new_tokens=2, regex="a", constraints=[None]))
     with pytest.raises(g.GrammarError, match="a list of 2 entries"):
         list(g.generate_batch([[1], [2]], w, max_new_tokens=2, constraints=[None]))
-    with pytest.raises(g.GrammarError, match=r"constraints\[0\] must be a Constraint"):
+    with pytest.raises(g.GrammarError, match="constraints: entry 0 must be a Constraint"):
         list(g.generate_batch([[1]], w, max_new_tokens=2, constraints=[{"regex": "a"}]))
 
 
@@ -238,6 +274,13 @@ def test_a_vocabulary_smaller_than_the_tokenizer(tok):
     tiny = g.random_weights(g.GPT2Config(n_layer=1, n_head=1, n_embd=8, n_positions=8, vocab_size=300), seed=0)
     with pytest.raises(g.ConfigError, match="model's vocabulary \\(300\\) to hold the tokenizer's 50257"):
         g.generate([1], tiny, max_new_tokens=2, regex="a")
+
+
+def test_a_grammar_compiled_for_one_tokenizer_is_not_another_s():
+    first = g.constraint(regex="tok[0-9]", tokenizer=g.load_tokenizer())
+    other = g.Tokenizer(g.load_tokenizer().encoding, "another")  # (the same vocabulary, another tokenizer)
+    assert g.constraint(regex="tok[0-9]", tokenizer=other) is not first
+    assert g.constraint(regex="tok[0-9]", tokenizer=g.load_tokenizer()) is first
 
 
 def test_compiled_grammars_are_cached_and_bounded():

@@ -83,6 +83,17 @@ def test_regex_choice_and_grammars_with_n_best_of_and_streams(client):
             jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def test_ignore_eos_and_min_tokens_under_a_constraint(client, model):
+    """A constraint ends its text where the grammar does, ignore_eos or not, and min_tokens cannot keep open a
+    text the grammar has ended (the grammar wins: "stop")."""
+    w, tok = model
+    for body in ({"ignore_eos": True}, {"min_tokens": 8}, {"ignore_eos": True, "min_tokens": 8}):
+        for choice in complete(client, n=3, seed=6, guided_regex=r"[a-c]{1,3}", **body):
+            assert re.fullmatch(r"[a-c]{1,3}", choice["text"]) and choice["finish_reason"] == "stop", (body, choice)
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "guided_regex": "a{0}", "min_tokens": 1})
+    assert r.status_code == 400 and "matches no text but the empty one" in r.json()["error"]["message"]
+
+
 def test_a_cut_text_is_a_prefix_and_says_length(client, model):
     w, tok = model
     choice = complete(client, temperature=0, max_tokens=4, guided_json=SCHEMA)[0]
@@ -93,16 +104,17 @@ def test_a_cut_text_is_a_prefix_and_says_length(client, model):
 
 
 @pytest.mark.parametrize("body, param, message", [
-    ({"guided_json": {"type": "bogus"}}, "guided_json", "guided_json: json_schema: Invalid type: bogus"),
-    ({"guided_json": "{not json"}, "guided_json", "guided_json: json_schema is not valid JSON"),
-    ({"guided_regex": "(("}, "guided_regex", "guided_regex: regex: "),
-    ({"guided_choice": []}, "guided_choice", "guided_choice: choice must be a non-empty list"),
-    ({"guided_choice": ["a", 1]}, "guided_choice", r"choice\[1\] must be a non-empty string"),
-    ({"grammar": "root ::= nothing"}, "grammar", "grammar: grammar: not a GBNF grammar"),
-    ({"guided_grammar": "start: x"}, "guided_grammar", "guided_grammar: grammar: "),
+    ({"guided_json": {"type": "bogus"}}, "guided_json", "guided_json: Invalid type: bogus"),
+    ({"guided_json": "{not json"}, "guided_json", "guided_json: not valid JSON"),
+    ({"guided_regex": "(("}, "guided_regex", "guided_regex: at 1"),
+    ({"guided_choice": []}, "guided_choice", "guided_choice: must be a non-empty list"),
+    ({"guided_choice": ["a", 1]}, "guided_choice", "guided_choice: entry 1 must be a non-empty string"),
+    ({"grammar": "root ::= nothing"}, "grammar", "grammar: not a GBNF grammar"),
+    ({"guided_grammar": "start: x"}, "guided_grammar", "guided_grammar: at 1"),
     ({"response_format": {"type": "yaml"}}, "response_format", 'response_format.type must be "text"'),
     ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema.schema"),
     ({"guided_regex": "a", "json_schema": {}}, "json_schema", "at most one of response_format, guided_json"),
+    ({"response_format": {"type": "text"}, "guided_regex": "(("}, "guided_regex", "guided_regex: "),
     ({"guided_regex": "x" * 500}, "guided_regex", "guided_regex is 500 bytes; this server takes at most 400 "
                                                   r"\(--max-grammar-bytes\)"),
     ({"guided_json": 3}, "guided_json", "guided_json must be an object or a JSON string"),

@@ -420,14 +420,13 @@ def _check(args) -> int:
             decode_s.append(time.perf_counter() - t)
         runs.append((ids, steps, prefill_s, decode_s))
     from ..cpu import amx, dispatch, pool, threadlayer
-    print(f"parallel regions: {pool.describe()}")  # the threads, their pinning (settled by now), what failed of it
+    amx.request()  # (this command's own process: whether Linux lends Intel's tiles here is worth knowing)
+    print(f"parallel regions: {pool.describe()}")  # the threads, their pinning, what failed; the tiles
     if pool.enabled():  # (off, the regions' own line names the layer)
         print(f"beneath the pool: {threadlayer.describe()}")
     print(f"row thresholds: {dispatch.describe_tuning()}")
     if w.activations == "bfloat16":
         print(f"bfloat16 products: {dispatch.describe_bf16()}")
-    amx.request()  # (this command's own process: whether Linux lends the tiles here is worth knowing)
-    print(f"Intel's matrix tiles (AMX): {amx.describe()}")
     # the same prompts again as one batch: one prefill_batch, then decode_batch steps
     caches = [ModelCache(cfg, max_len=max_len, dtype=args.kv_dtype) for _ in prompts]
     t = time.perf_counter()

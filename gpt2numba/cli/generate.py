@@ -48,8 +48,6 @@ def conflict(args) -> str | None:
         return f"give at most one of {_flags(STRUCTURED)}; got {_flags(given)}"
     if given and args.ray is not None:
         return f"{_flags(given)} goes without --ray: the Ray workers generate without a constraint"
-    if given and args.slide:
-        return f"{_flags(given)} goes without --slide"
     n = args.num_return_sequences or 1
     if args.num_beams > 1:
         if given := _given(args, SAMPLING_ONLY):
@@ -147,9 +145,8 @@ def structured(args, tokenizer, vocab) -> dict:
             raise GPT2NumbaError(f"{flag}: no such file")
     try:
         constraint(**{name: value}, tokenizer=tokenizer, vocab_size=None if vocab == math.inf else vocab)
-    except GrammarError as e:
-        message = str(e).removeprefix(name)  # ("json_schema is not valid JSON: ...", "regex: ...")
-        raise GPT2NumbaError(f"{flag}{message if message.startswith((' ', ':', '[')) else ': ' + message}") from None
+    except GrammarError as e:  # (named as the flag, not as the library's argument)
+        raise GPT2NumbaError(f"{flag}: {e.detail if e.argument else e}") from None
     return {name: value, "tokenizer": tokenizer}
 
 

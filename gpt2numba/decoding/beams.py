@@ -55,7 +55,8 @@ def beam_search(prompt_ids, w: GPT2Weights, *, num_beams: int, max_new_tokens: i
     min_new_tokens and bad_words_ids as in Sampler; kv_dtype the caches' (kvcache.KV_DTYPES, default float32).
     json_schema, regex, choice or grammar (at most one, as generate takes them, with ``tokenizer``): every
     beam's tokens keep its text inside it (-inf for the others, after the processors), and a beam whose text
-    is complete ends there, as at an end-of-text id.
+    is complete ends there, as at an end-of-text id. Fewer than num_return_sequences hypotheses come back when
+    the constraint allows fewer texts (the same text may come twice, tokenized two ways).
     Everything is checked before any work: SamplingError for a setting, TokenError / TokenTypeError for ids,
     CacheFullError when the prompt and max_new_tokens pass n_positions, ConfigError for kv_dtype,
     GrammarError for a constraint.
@@ -172,7 +173,8 @@ class _Beams:
         full = len(self.finished) == s.num_beams
         if self.improvable and not (full and s.early_stopping is True):
             new = [(scores[i] / length ** s.length_penalty, self.running[parents[i]] + [int(tokens[i])])
-                   for i in np.flatnonzero(ends[: s.num_beams]) if scores[i] > -np.inf]
+                   for i in np.flatnonzero(ends[: s.num_beams]) if scores[i] > -_FAR / 2]  # (not a beam ruled
+            # out: -inf, or one kept running at -_FAR after its text ended, as a constraint can leave it)
             self.finished = sorted(self.finished + new, key=lambda hypothesis: -hypothesis[0])[: s.num_beams]
         kept = np.argsort(-(scores - _FAR * ends), kind="stable")[: s.num_beams]
         self.scores = scores[kept] - _FAR * ends[kept]

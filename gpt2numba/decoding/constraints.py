@@ -8,14 +8,14 @@ the text inside the grammar, a boolean mask over the vocabulary that the Sampler
 is complete and takes nothing more, and the sequence ends there (finish "stop"). A grammar that may end but
 could go on lets <|endoftext|> through, which ends it too.
 
-llguidance was chosen over xgrammar and outlines-core (docs/structured.md): it needs no other package (xgrammar
-needs torch, transformers and triton), compiles a 20-field schema in about a millisecond (outlines-core: half a
-second), computes a mask in microseconds, and reads JSON schemas, regexes and Lark grammars (GBNF converted).
+llguidance was chosen over xgrammar and outlines-core (docs/structured.md, with the measurements): it needs no
+other package, compiles a schema fast, and reads JSON schemas, regexes and Lark grammars (GBNF converted).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import re
 import threading
@@ -32,7 +32,7 @@ from ..text.tokenizer import Tokenizer, resolve_tokenizer
 KINDS = ("json_schema", "regex", "choice", "grammar")  # at most one a sequence
 CACHE_SIZE = 64  # compiled grammars kept, the least recently used dropped first
 # JSON as compact as json.dumps(separators=(",", ":")) writes it: no whitespace between tokens, so that a model
-# cannot spend its tokens on it (an object still ends when its last required field is written)
+# cannot spend its tokens on it
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
@@ -89,7 +89,7 @@ def constraint(*, json_schema=None, regex=None, choice=None, grammar=None, token
         raise ConfigError(f"structured output needs the model's vocabulary ({vocab}) to hold the tokenizer's "
                           f"{tokenizer.n_vocab} tokens")
     text = _text(kind, value)
-    key = (kind, text, id(tokenizer), vocab)
+    key = (kind, text, tokenizer, vocab)  # (the tokenizer itself: an id could be a later one's)
     with _lock:
         found = _compiled.get(key)
         if found is not None:
@@ -103,7 +103,7 @@ def constraint(*, json_schema=None, regex=None, choice=None, grammar=None, token
     return made
 
 
-_compiled: collections.OrderedDict = collections.OrderedDict()  # (kind, text, tokenizer id, vocab) -> Constraint
+_compiled: collections.OrderedDict = collections.OrderedDict()  # (kind, text, tokenizer, vocab) -> Constraint
 _lock = threading.Lock()
 
 
@@ -119,22 +119,22 @@ def _text(kind: str, value) -> str:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
-                raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+                raise GrammarError(f"not valid JSON: {e}", kind) from None
         if not isinstance(value, dict):
-            raise GrammarError(f"json_schema must be a JSON object (a dict), got {type(value).__name__}")
+            raise GrammarError(f"must be a JSON object (a dict), got {type(value).__name__}", kind)
         try:
             return json.dumps(value)  # (in its order: properties are written in the schema's order)
         except (TypeError, ValueError) as e:
-            raise GrammarError(f"json_schema cannot be written as JSON: {e}") from None
+            raise GrammarError(f"cannot be written as JSON: {e}", kind) from None
     if kind == "choice":
         if isinstance(value, str) or not isinstance(value, _Sequence) or not value:
-            raise GrammarError(f"choice must be a non-empty list of strings, got {value!r}"[:200])
+            raise GrammarError(f"must be a non-empty list of strings, got {value!r}"[:200], kind)
         for i, option in enumerate(value):
             if not isinstance(option, str) or not option:
-                raise GrammarError(f"choice[{i}] must be a non-empty string, got {option!r}"[:200])
+                raise GrammarError(f"entry {i} must be a non-empty string, got {option!r}"[:200], kind)
         return json.dumps(list(value))
     if not isinstance(value, str) or not value:
-        raise GrammarError(f"{kind} must be a non-empty string, got {value!r}"[:200])
+        raise GrammarError(f"must be a non-empty string, got {value!r}"[:200], kind)
     return value
 
 
@@ -152,12 +152,17 @@ def _compile(kind: str, text: str, tokenizer: Tokenizer, vocab: int) -> Constrai
         try:
             lark = gbnf_to_lark(text) if "::=" in text else text
         except Exception as e:  # (its parser's errors: ValueError, AssertionError, ...)
-            raise GrammarError(f"grammar: not a GBNF grammar llguidance can read: {e}") from None
+            raise GrammarError(f"not a GBNF grammar llguidance can read: {e}", kind) from None
         source = llguidance.LLMatcher.grammar_from_lark(lark)
     template = llguidance.LLMatcher(lltokenizer, source, log_level=0)
     if template.is_error():
-        raise GrammarError(f"{kind}: {_first_lines(template.get_error())}")
-    return Constraint(kind, text, vocab, time.perf_counter() - start, template)
+        raise GrammarError(_first_lines(template.get_error()), kind)
+    made = Constraint(kind, text, vocab, 0.0, template)
+    first = Matcher(made).allowed()  # (the first mask also builds what llguidance builds lazily: timed too)
+    first[tokenizer.eot_id] = False
+    if not first.any():
+        raise GrammarError("matches no text but the empty one: nothing to generate", kind)
+    return dataclasses.replace(made, compile_s=time.perf_counter() - start)
 
 
 def _first_lines(message: str, lines: int = 6) -> str:
@@ -195,8 +200,8 @@ class Matcher:
     def advance(self, token: int) -> None:
         """Take the token chosen. GrammarError if the grammar does not allow it (a caller that did not mask)."""
         if not self._matcher.consume_token(int(token)):
-            raise GrammarError(f"token {token} does not follow the {self.constraint.kind}: "
-                               f"{_first_lines(self._matcher.get_error(), 2)}")
+            raise GrammarError(f"token {token} does not follow it: {_first_lines(self._matcher.get_error(), 2)}",
+                               self.constraint.kind)
 
     @property
     def done(self) -> bool:
@@ -225,13 +230,13 @@ def per_sequence(count: int, constraints, tokenizer: Tokenizer | None, vocab_siz
     if any(value is not None for value in one.values()):
         raise GrammarError(f"give constraints (one a prompt) or {', '.join(KINDS)} (for every prompt), not both")
     if isinstance(constraints, (str, bytes)) or not isinstance(constraints, _Sequence) or len(constraints) != count:
-        raise GrammarError(f"constraints must be a list of {count} entries (one a prompt), each a Constraint "
-                           "(gpt2numba.constraint) or None")
+        raise GrammarError(f"must be a list of {count} entries (one a prompt), each a Constraint "
+                           "(gpt2numba.constraint) or None", "constraints")
     for i, c in enumerate(constraints):
         if c is not None and not isinstance(c, Constraint):
-            raise GrammarError(f"constraints[{i}] must be a Constraint (gpt2numba.constraint) or None, "
-                               f"got {type(c).__name__}")
+            raise GrammarError(f"entry {i} must be a Constraint (gpt2numba.constraint) or None, got "
+                               f"{type(c).__name__}", "constraints")
         if c is not None and c.vocab_size != vocab_size:
-            raise GrammarError(f"constraints[{i}] was compiled for a vocabulary of {c.vocab_size}; the model's "
-                               f"is {vocab_size}")
+            raise GrammarError(f"entry {i} was compiled for a vocabulary of {c.vocab_size}; the model's is "
+                               f"{vocab_size}", "constraints")
     return list(constraints)

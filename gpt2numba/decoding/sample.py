@@ -79,18 +79,28 @@ class Sampler:
         first ``prompt_len`` are the prompt (for presence, frequency and min_new_tokens). ``allowed``: a
         constraint's mask (vocab,) bool (constraints.Matcher.allowed): after the processors, where
         transformers puts its prefix constraint, only those tokens are sampled among, as if the others were
-        -inf (the same token from the same stream; an exp of -inf is slow, so they are left out instead)."""
+        -inf (the same token from the same stream; an exp of -inf is slow, so they are left out instead). A
+        mask of one token chooses it whatever the processors did: the grammar wins (min_new_tokens cannot keep
+        open a text the grammar ends with <|endoftext|>)."""
         z = np.array(logits, dtype=np.float64)
         if z.ndim != 1 or z.size == 0:
             raise SamplingError(f"logits must be a non-empty 1-D array, got shape {z.shape}")
+        if allowed is not None and (not isinstance(allowed, np.ndarray) or allowed.dtype != bool
+                                    or allowed.shape != z.shape):
+            raise SamplingError(f"allowed must be a bool mask of the logits' shape {z.shape}, got "
+                                f"{getattr(allowed, 'dtype', type(allowed).__name__)} {np.shape(allowed)}")
+        ids = None if allowed is None else np.flatnonzero(allowed)  # the constraint's tokens, in id order
+        if ids is not None and ids.size == 1:
+            if self.temperature != 0:
+                rng.random()  # (the draw a sample takes: the stream goes on as after any other sample)
+            return int(ids[0])
         if self.processors.active:
             self.processors(z, checks.token_ids(previous, z.size) if len(previous) else [], prompt_len)
-        ids = None if allowed is None else np.flatnonzero(allowed)  # the constraint's tokens, in id order
         if ids is not None:
             z = z[ids]
         if (self.processors.active or ids is not None) and (z.size == 0 or z.max() == -np.inf):
-            raise SamplingError("every token is banned (bad_words_ids, no_repeat_ngram_size, logit_bias"
-                                + (", the constraint" if ids is not None else "") + ")")
+            raise SamplingError("every token is banned (bad_words_ids, no_repeat_ngram_size, logit_bias, "
+                                "min_new_tokens" + (", the constraint" if ids is not None else "") + ")")
         token = self._pick(z, rng)
         return token if ids is None else int(ids[token])
 
@@ -125,8 +135,8 @@ class Sampler:
             above = best[negated[best] < kth]  # then, of the values equal to the k-th, the lowest ids
             best = np.concatenate([above, np.flatnonzero(negated == kth)[: self.top_k - above.size]])
             order = best[np.lexsort((best, negated[best]))]  # most likely first, ties by id
-        else:
-            order = np.argsort(-z, kind="stable")
+        else:  # (by what top_k ranks, as above when it cuts: the same order whether or not a constraint
+            order = np.argsort(-ranked, kind="stable")  # left fewer tokens than top_k)
         if self.top_p is not None:
             probs = _softmax(z[order])  # renormalised over the top_k set, as is usual
             # smallest prefix whose mass reaches top_p: the first index where the sum >= p
@@ -147,7 +157,8 @@ def _typical(z: np.ndarray, mass: float) -> np.ndarray:
     with np.errstate(divide="ignore"):
         logp = np.log(_softmax(z))
     p = np.exp(logp)
-    entropy = -np.nansum(logp * p)
+    with np.errstate(invalid="ignore"):  # (a banned token's -inf x 0: nan, which nansum leaves out)
+        entropy = -np.nansum(logp * p)
     distance = np.abs(-logp - entropy)
     by_distance = np.argsort(distance, kind="stable")
     cumulative = np.cumsum(p[by_distance])
@@ -256,7 +267,7 @@ def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, seed: int | 
     SamplingError for settings (n an integer >= 1), ConfigError for kv_dtype, TokenError /
     TokenTypeError naming the prompt,
     CacheFullError when a prompt plus max_new_tokens passes n_positions,
-    BatchError for no prompts.
+    BatchError for no prompts, GrammarError for a constraint.
     """
     steps = _batch_steps(prompts, w, max_new_tokens=max_new_tokens, seed=seed, stop_at_eos=stop_at_eos,
                          batch_size=batch_size, n=n, kv_dtype=kv_dtype, **options)

@@ -39,12 +39,14 @@ from .config import ServeConfig
 from .engine import Engine, Job
 from .events import Done, Failed
 from .metrics import CONTENT_TYPE, Metrics
-from .requests import MAX_LOGPROBS, MAX_STOPS, ApiError, checked_ids, parse_completion, parse_inspect
+from .requests import CONSTRAINED, MAX_LOGPROBS, MAX_STOPS, ApiError, checked_ids, parse_completion, parse_inspect
 from .responses import Chunks, Whole, inspection_json, json_response
 
 log = logging.getLogger("gpt2numba.serve")
 
-_GRAMMAR_FIELDS = (b"response_format", b"guided_", b"json_schema", b"grammar")  # (requests._CONSTRAINED's)
+# what may make a body carry a grammar to compile: a structured-output field's name, or any JSON escape (which
+# could spell one)
+_GRAMMAR_HINTS = (*(name.encode() for name in CONSTRAINED), b"\\u")
 
 __all__ = ["ApiError", "MAX_LOGPROBS", "MAX_STOPS", "Routes", "create_app", "parse_completion"]
 
@@ -152,8 +154,8 @@ class Routes:
 
     async def off_loop(self, parse, body: bytes):
         """parse(body); a large body (many prompts, long texts) is parsed and tokenised off the event loop, and
-        so is one that may carry a grammar to compile (a structured-output field's name in it)."""
-        if len(body) <= PARSE_INLINE_BYTES and not any(name in body for name in _GRAMMAR_FIELDS):
+        so is one that may carry a grammar to compile (_GRAMMAR_HINTS)."""
+        if len(body) <= PARSE_INLINE_BYTES and not any(hint in body for hint in _GRAMMAR_HINTS):
             return parse(body)
         async with self._parsing:
             return await asyncio.to_thread(parse, body)

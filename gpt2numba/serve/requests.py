@@ -15,6 +15,7 @@ from ..errors import GrammarError
 from ..decoding.sample import Sampler, prompt_ids
 from ..text.tokenizer import EOT_ID, Tokenizer
 from ..text.tokenview import MAX_TOP
+from .config import ServeConfig
 from .engine import Completion
 
 
@@ -75,16 +76,21 @@ _FIELDS = {
     "grammar": ((str,), "a string"),
 }
 # each structured-output field -> the constraint it asks for (constraints.KINDS)
-_CONSTRAINED = {"response_format": "json_schema", "guided_json": "json_schema", "guided_regex": "regex",
+CONSTRAINED = {"response_format": "json_schema", "guided_json": "json_schema", "guided_regex": "regex",
                 "guided_choice": "choice", "guided_grammar": "grammar", "json_schema": "json_schema",
                 "grammar": "grammar"}
 
 
+_SETTINGS = ServeConfig()  # (the defaults of a server's settings, for a caller that gives none)
+
+
 def parse_completion(body, tokenizer: Tokenizer, n_positions: int, vocab_size: int, *,
-                     max_grammar_bytes: int = 2**16, max_grammar_seconds: float = 2.0) -> Completion:
+                     max_grammar_bytes: int = _SETTINGS.max_grammar_bytes,
+                     max_grammar_seconds: float = _SETTINGS.max_grammar_seconds) -> Completion:
     """A POST /v1/completions body (parsed JSON), checked; ApiError(400) naming the field otherwise. A
-    structured-output field's grammar is compiled here (at most ``max_grammar_bytes`` of it, compiled within
-    ``max_grammar_seconds``), before anything reaches the engine."""
+    structured-output field's grammar is compiled here, last, before anything reaches the engine: at most
+    ``max_grammar_bytes`` of it, and refused if compiling took longer than ``max_grammar_seconds`` (ServeConfig's
+    settings)."""
     _typed(body, _FIELDS)
     get = body.get
     if get("suffix"):
@@ -123,37 +129,34 @@ def parse_completion(body, tokenizer: Tokenizer, n_positions: int, vocab_size: i
 def _constraint(get, tokenizer: Tokenizer, vocab_size: int, max_bytes: int, max_seconds: float):
     """The request's structured-output field as a Constraint (None for none, or response_format "text"):
     compiled, within the bounds; a 400 naming the field otherwise."""
-    given = [name for name in _CONSTRAINED if get(name) is not None]
+    given = [name for name in CONSTRAINED if get(name) is not None
+             and not (name == "response_format" and get(name).get("type") == "text")]  # ("text": none asked)
     if len(given) > 1:
-        raise ApiError(400, f"give at most one of {', '.join(_CONSTRAINED)}; got {' and '.join(given)}", given[1])
+        raise ApiError(400, f"give at most one of {', '.join(CONSTRAINED)}; got {' and '.join(given)}", given[1])
     if not given:
         return None
     field = given[0]
     value = get(field)
     if field == "response_format":
         value = _response_format(value)
-        if value is None:
-            return None
     size = len(value.encode() if isinstance(value, str) else json.dumps(value).encode())
     if size > max_bytes:
         raise ApiError(400, f"{field} is {size} bytes; this server takes at most {max_bytes} "
                        "(--max-grammar-bytes)", field)
     try:
-        made = constraint(**{_CONSTRAINED[field]: value}, tokenizer=tokenizer, vocab_size=vocab_size)
-    except GrammarError as e:
-        raise ApiError(400, f"{field}: {e}", field) from None
-    if made.compile_s > max_seconds:
-        raise ApiError(400, f"{field} took {made.compile_s:.1f} s to compile; this server allows "
+        made = constraint(**{CONSTRAINED[field]: value}, tokenizer=tokenizer, vocab_size=vocab_size)
+    except GrammarError as e:  # (named as this field, not as the library's argument)
+        raise ApiError(400, f"{field}: {e.detail}" if e.argument else f"{field}: {e}", field) from None
+    if made.compile_s > max_seconds:  # (after the fact: the time is spent, but its grammar is never used)
+        raise ApiError(400, f"{field} took {made.compile_s:.1f} s to compile, longer than this server allows: "
                        f"{max_seconds:g} s (--max-grammar-seconds)", field)
     return made
 
 
-def _response_format(value: dict):
+def _response_format(value: dict) -> dict:
     """OpenAI's response_format as a JSON schema: {"type": "json_object"} any object, {"type": "json_schema",
-    "json_schema": {"name", "schema", "strict"}} its schema; None for {"type": "text"}."""
+    "json_schema": {"name", "schema", "strict"}} its schema ({"type": "text"} asks for none: never here)."""
     kind = value.get("type")
-    if kind == "text":
-        return None
     if kind == "json_object":
         return {"type": "object"}
     if kind != "json_schema":
