@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .peers import transformers
 from .worker import BOOT
 
 GEMM_SHAPE = (512, 768, 3072)  # (tokens, n_embd, 4 n_embd): GPT-2 small's c_fc at 512 tokens
@@ -325,7 +326,7 @@ def measure_floors(stored, args):
     # decode reads every matrix once, the output head included, but only one row of wpe
     decode_bytes = {dtype_name(d): wd.nbytes - wd.wpe.nbytes for d, wd in stored.items()}
     decode_bytes["transformers"] = decode_bytes[dtype_name("float32")]
-    decode_bytes["transformers-bf16"] = decode_bytes["transformers"] // 2  # (every tensor of it in bfloat16)
+    decode_bytes[transformers.BF16] = decode_bytes["transformers"] // 2  # (every tensor of it in bfloat16)
     floors = {"read_gb_s": bandwidth / 1e9, "gemm_gflop_s": gemm / 1e9, "decode_bytes": decode_bytes,
               "decode_floor_ms": {k: 1e3 * b / bandwidth for k, b in decode_bytes.items()},
               "prefill_floor_ms": {T: 1e3 * prefill_flops(cfg, T) / gemm for T in args.lengths}}

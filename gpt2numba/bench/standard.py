@@ -16,7 +16,7 @@ from .core import (GEMM_SHAPE, PEAK_RSS, WORKER, Remote, decode_runs, dtype_name
                    system_rows, versus, versus_float32, wait_for_idle, weights_format)
 from .peers import transformers
 
-BF16_PEER = "transformers-bf16"
+BF16_PEER = transformers.BF16
 
 
 def run(args, model_dir, w) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..decoding.constraints import KINDS
 from ..errors import CacheFullError, GPT2NumbaError
 from ..model.models import RANDOM_NOTE, resolve_model
 from ..text.documents import utf8
@@ -25,8 +26,6 @@ SAMPLER = ("temperature", "top_k", "top_p", "min_p", "typical_p", "presence_pena
 BEAM = ("length_penalty", "early_stopping")
 BOTH = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "eos_token_id")
 SAMPLING_ONLY = SAMPLER + ("seed", "batch_size", "no_stop", "slide")  # what beam search has no use for
-STRUCTURED = {"json_schema": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}  # flag ->
-# the library's argument (constraints.KINDS)
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
 
 
@@ -44,8 +43,8 @@ def conflict(args) -> str | None:
         return "--ray goes with --prompts-file"
     if args.ray is None and (given := _given(args, ("output", "format"))):
         return f"{_flags(given)} {_go(given)} with --ray"
-    if len(given := _given(args, STRUCTURED)) > 1:
-        return f"give at most one of {_flags(STRUCTURED)}; got {_flags(given)}"
+    if len(given := _given(args, KINDS)) > 1:  # (each flag is named as the library's argument)
+        return f"give at most one of {_flags(KINDS)}; got {_flags(given)}"
     if given and args.ray is not None:
         return f"{_flags(given)} goes without --ray: the Ray workers generate without a constraint"
     n = args.num_return_sequences or 1
@@ -132,7 +131,7 @@ def structured(args, tokenizer, vocab) -> dict:
     from ..decoding.constraints import constraint
     from ..errors import GrammarError
 
-    given = _given(args, STRUCTURED)
+    given = _given(args, KINDS)
     if not given:
         return {}
     name = given[0]

@@ -76,6 +76,11 @@ class Sequence:
     def new_tokens(self) -> int:
         return len(self.ids) - self.prompt_len
 
+    @property
+    def complete(self) -> bool:
+        """Whether its constraint's text is complete (it then ends), if it has one."""
+        return self.matcher is not None and self.matcher.done
+
 
 class Batch:
     """At most ``size`` sequences in flight over the weights ``w``, each in a cache of ``kv_dtype``
@@ -221,14 +226,9 @@ class Batch:
             if seq not in row_of:
                 continue
             row = row_of[seq]
-            if seq.matcher is None:
-                token = seq.sampler(row, seq.ids, seq.rng, seq.prompt_len)
-            else:
-                token = seq.sampler(row, seq.ids, seq.rng, seq.prompt_len, seq.matcher.allowed())
-                seq.matcher.advance(token)
+            token = next_token(seq.sampler, row, seq.ids, seq.rng, seq.prompt_len, seq.matcher)
             seq.ids.append(token)
-            done = (token in seq.stop_ids or seq.new_tokens == seq.max_new_tokens
-                    or (seq.matcher is not None and seq.matcher.done))
+            done = token in seq.stop_ids or seq.new_tokens == seq.max_new_tokens or seq.complete
             if done:
                 self.remove(seq)
             else:
@@ -272,6 +272,16 @@ class Batch:
         leader = seq.shared.leader
         seq.cache.copy_prefix(leader.cache)
         return row_of[leader]
+
+
+def next_token(sampler, logits, ids, rng, prompt_len, matcher: Matcher | None) -> int:
+    """sampler's token after ``ids`` from ``logits``, under ``matcher``'s mask where there is one (which then
+    takes the token): how generate and a batch's step choose."""
+    if matcher is None:
+        return sampler(logits, ids, rng, prompt_len)
+    token = sampler(logits, ids, rng, prompt_len, matcher.allowed())
+    matcher.advance(token)
+    return token
 
 
 def _stop_ids(sampler) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ from ..model.forward import decode_step, prefill
 from ..model.kvcache import ModelCache, check_kv_dtype
 from ..model.weights import GPT2Weights
 from ..text.tokenizer import Tokenizer, resolve_tokenizer
-from .batching import Batch, Sequence, SharedPrompt
+from .batching import Batch, Sequence, SharedPrompt, next_token
 from .constraints import Matcher, constraint as _constraint, per_sequence
 from .processors import Processors
 
@@ -225,11 +225,7 @@ def _generate(ids, w, mc, sampler, max_new_tokens, rng, stop_at_eos, constraint)
     prompt_len = len(ids)
     matcher = Matcher(constraint) if constraint is not None else None
     for n in range(max_new_tokens):
-        if matcher is None:
-            token = sampler(logits, ids, rng, prompt_len)
-        else:
-            token = sampler(logits, ids, rng, prompt_len, matcher.allowed())
-            matcher.advance(token)
+        token = next_token(sampler, logits, ids, rng, prompt_len, matcher)
         ids.append(token)
         yield token
         if (stop_at_eos and token in sampler.processors.eos_token_id) or n == max_new_tokens - 1:

@@ -424,7 +424,7 @@ class Engine:
             choice.logprob += logprobs.logprob if logprobs is not None else float(log_softmax(row[None])[0, token])
         # (a constraint lets <|endoftext|> through only where its text may end: there it ends, ignore_eos or not)
         eos = token == self.tokenizer.eot_id and (not r.ignore_eos or r.constraint is not None)
-        complete = choice.sequence.matcher is not None and choice.sequence.matcher.done  # its grammar's text
+        complete = choice.sequence.complete  # its constraint's text
         text = choice.held + ("" if eos else choice.decode(token))
         if done:
             text += choice.decode(None)  # bytes of a character cut short

@@ -9,7 +9,8 @@ import time
 import numpy as np
 
 
-KINDS = {"transformers": "float32", "transformers-bf16": "bfloat16"}  # a system's name -> torch's dtype for it
+BF16 = "transformers-bf16"  # the bfloat16 system's name
+KINDS = {"transformers": "float32", BF16: "bfloat16"}  # a system's name -> torch's dtype for it
 
 
 def system(kind, model_dir, threads):
