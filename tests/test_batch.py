@@ -87,6 +87,22 @@ def test_out_receives_the_logits(tiny):
     assert [mc.length for mc in caches] == [2, 1]
 
 
+def test_every_row_of_the_sequences_marked(tiny):
+    """prefill_batch(every_row=...): the marked prompts' logits after every token, the others' after their last,
+    in order (speculative decoding's pass: drafts checked beside other sequences' rows); a wrong count is refused
+    before any cache changes."""
+    prompts = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]]
+    caches = [g.ModelCache(TINY, max_len=8) for _ in prompts]
+    rows = g.prefill_batch(prompts, tiny, caches, every_row=[True, False, False, True])
+    alone = [g.prefill(ids, tiny, g.ModelCache(TINY), logits="all") for ids in prompts]
+    expected = np.concatenate([alone[0], alone[1][-1:], alone[2][-1:], alone[3]])
+    np.testing.assert_allclose(rows, expected, atol=1e-5, rtol=0)
+    fresh = [g.ModelCache(TINY, max_len=8) for _ in prompts]
+    with pytest.raises(g.BatchError, match="every_row has 3 entries for 4 prompts"):
+        g.prefill_batch(prompts, tiny, fresh, every_row=[True, False, True])
+    assert [mc.length for mc in fresh] == [0, 0, 0, 0]
+
+
 # --- generation ------------------------------------------------------------------------------------
 
 def tokens_by_prompt(pairs):

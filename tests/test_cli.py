@@ -239,6 +239,14 @@ def test_generate_no_repeat_ngram_size(gpt2_vocab, tmp_path):
     (["--length-penalty", "0"], "--length-penalty goes with beam search"),
     (["--regex", "a", "--choice", "b"], "give at most one of --json-schema, --regex, --choice, --grammar; got "
                                         "--regex, --choice"),
+    (["--draft", "int4", "--prompt-lookup", "3"], "give --draft or --prompt-lookup, not both"),
+    (["--num-speculative-tokens", "3"], "--num-speculative-tokens goes with --draft"),
+    (["--prompt-lookup", "3", "--num-speculative-tokens", "3"], "--num-speculative-tokens goes with --draft"),
+    (["--max-matching-ngram-size", "3"], "--max-matching-ngram-size goes with --prompt-lookup"),
+    (["--draft", "int4", "--num-beams", "2"], "--draft goes with sampling, not beam search"),
+    (["--prompt-lookup", "4", "--regex", "a+"], "--prompt-lookup goes without --regex: speculative decoding"),
+    (["--draft", "int8", "--slide"], "--draft goes without --slide"),
+    (["--num-speculative-tokens", "65", "--draft", "int4"], "--num-speculative-tokens: must be in [1, 64], got 65"),
 ])
 def test_generate_flags_that_do_not_go_together(args, match, tmp_path):
     """Exit 2 naming the flags, before any work: the model named does not exist, and a run that got as far as
@@ -532,3 +540,22 @@ def test_generate_structured_output(gpt2_vocab, tmp_path):
                         (["--regex", "(("], "--regex: "), (["--choice", ""], "--choice: entry 0 must be a non-empty string")]:
         r = run("generate", "x", "--model", path, *args)
         assert r.returncode == 1 and match in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_generate_with_a_draft_gives_the_plain_tokens(gpt2_vocab, tmp_path):
+    """--draft int4 and --prompt-lookup, greedy: the text of plain greedy decoding, for one prompt and a prompts
+    file; a draft that is neither a format nor a checkpoint is named as the flag."""
+    path, *_ = gpt2_vocab
+    plain = run("generate", "Hello there", "--model", path, "--temperature", "0", "--max-new-tokens", "20")
+    assert plain.returncode == 0, plain.stderr
+    for args in (["--draft", "int4"], ["--draft", "int8", "--num-speculative-tokens", "2"], ["--prompt-lookup", "3"]):
+        r = run("generate", "Hello there", "--model", path, "--temperature", "0", "--max-new-tokens", "20", *args)
+        assert r.returncode == 0 and r.stdout == plain.stdout, (args, r.stderr)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nOnce upon\n")
+    batch = [run("generate", "--prompts-file", str(prompts), "--model", path, "--temperature", "0", *args).stdout
+             for args in ([], ["--draft", "int4"])]
+    assert batch[0] == batch[1] and batch[0].count("\n") == 2
+    r = run("generate", "Hi", "--model", path, "--draft", str(tmp_path / "nothing"))
+    assert r.returncode == 1 and f"--draft {tmp_path / 'nothing'} is neither int4, int8, bfloat16 nor a checkpoint" \
+        in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -79,7 +79,8 @@ def test_seeded_sampling_equals_generate_batch(model, cluster):
 @pytest.mark.slow
 def test_greedy_from_token_ids_equals_generate_batch(model, cluster):
     """Greedy generation from lists of token ids (an empty list starts from <|endoftext|>), no seed: the tokens
-    generate_batch gives, and one completion per row as plain columns."""
+    generate_batch gives, and one completion per row as plain columns; the same with a draft (speculative
+    decoding)."""
     from gpt2numba.integrations.distributed import generate_dataset
 
     path, w = model
@@ -93,6 +94,10 @@ def test_greedy_from_token_ids_equals_generate_batch(model, cluster):
         expected[i].append(token)
     assert [list(r["completion_ids"]) for r in rows] == expected
     assert all(isinstance(r["completion"], str) and "logprobs" not in r for r in rows)
+    drafted = sorted(generate_dataset(ds, str(path), column="ids", max_new_tokens=5, temperature=0, concurrency=2,
+                                      batch_size=2, draft="int8", num_speculative_tokens=2).take_all(),
+                     key=lambda r: r["id"])  # each worker drafts with its weights' int8
+    assert [list(r["completion_ids"]) for r in drafted] == expected
 
 
 @pytest.mark.slow
@@ -143,7 +148,10 @@ def test_bad_settings_are_refused_before_ray_runs_anything(model, cluster, monke
              ({"activations": "bfloat16"}, g.ConfigError, "needs bfloat16 weights"),
              ({"logprobs": "yes"}, g.ConfigError, "logprobs"), ({"column": 3}, g.ConfigError, "column"),
              ({"concurrency": 0}, g.ConfigError, "concurrency"), ({"batch_size": 0}, g.ConfigError, "batch_size"),
-             ({"threads_per_worker": 0}, g.ConfigError, "threads_per_worker")]
+             ({"threads_per_worker": 0}, g.ConfigError, "threads_per_worker"),
+             ({"num_speculative_tokens": 3}, g.ConfigError, "num_speculative_tokens=3 needs a draft"),
+             ({"draft": "int4", "prompt_lookup_num_tokens": 2}, g.ConfigError, "not both"),
+             ({"num_beams": 2, "seed": None, "draft": "int4"}, g.SamplingError, "draft: speculative decoding goes")]
     for change, error, match in cases:
         kwargs = {"max_new_tokens": 4, "seed": 0, **change}
         with pytest.raises(error, match=match):

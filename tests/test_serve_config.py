@@ -38,10 +38,12 @@ def test_every_flag_reaches_the_server(monkeypatch):
              "max_queue": 9, "max_queued_choices": 11, "max_choices": 10, "max_response_mb": 1.5,
              "max_grammar_bytes": 100, "max_grammar_seconds": 0.5,
              "max_connections": 13, "header_timeout": 2.5, "body_timeout": 3.5, "keep_alive_timeout": 4.5,
-             "api_key": "k", "model_name": "m", "shutdown_grace": 6}
-    assert set(given) == {name for name, *_ in flags()}  # (a new flag: add it here)
-    argv = [part for name, value in given.items() for part in ("--" + name.replace("_", "-"), str(value))]
-    assert served_config(monkeypatch, *argv, "--kv-dtype", "float16") == ServeConfig(**given, kv_dtype="float16")
+             "api_key": "k", "model_name": "m", "shutdown_grace": 6, "draft": "int4", "num_speculative_tokens": 3}
+    lookup = {"prompt_lookup": 4}  # (not with a draft)
+    assert set(given) | set(lookup) == {name for name, *_ in flags()}  # (a new flag: add it here)
+    for settings in (given, {k: v for k, v in given.items() if k not in ("draft", "num_speculative_tokens")} | lookup):
+        argv = [part for name, value in settings.items() for part in ("--" + name.replace("_", "-"), str(value))]
+        assert served_config(monkeypatch, *argv, "--kv-dtype", "float16") == ServeConfig(**settings, kv_dtype="float16")
 
 
 def test_the_model_name_is_the_checkpoints():

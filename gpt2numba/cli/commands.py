@@ -132,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
                             help="the text is one of these exactly; repeatable (--choice yes --choice no)")
     structured.add_argument("--grammar", type=Path, metavar="FILE",
                             help="a grammar: Lark (rule start) or GBNF (rule root, as llama.cpp's)")
+    speculative = gen.add_argument_group(
+        "speculative decoding", "a cheap draft proposes tokens, the model checks them in one pass: the same tokens "
+        "greedy, the same distribution sampled (docs/speculative.md)")
+    speculative.add_argument("--draft", metavar="DRAFT",
+                             help="int4, int8 or bfloat16 (the model's own weights in that format), or a checkpoint "
+                             "of a GPT-2 with the same vocabulary (a smaller one)")
+    speculative.add_argument("--num-speculative-tokens", type=in_range(int, 1, 64), metavar="N",
+                             help="with --draft: tokens drafted a pass (default: adapted to how many are kept)")
+    speculative.add_argument("--prompt-lookup", type=in_range(int, 1, 64), metavar="N",
+                             help="draft N tokens by copying what followed the last words where they occurred before "
+                             "(transformers' prompt_lookup_num_tokens)")
+    speculative.add_argument("--max-matching-ngram-size", type=in_range(int, 1, 64), metavar="N",
+                             help="with --prompt-lookup: the longest run of last tokens looked up (default 2)")
     gen.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                      help="with --prompts-file: generate on a Ray cluster with Ray Data, the same records in the "
                      "prompts' order: the address of an existing cluster, or none to start a local one (the [ray] "

@@ -25,7 +25,8 @@ from ..text.documents import utf8
 SAMPLER = ("temperature", "top_k", "top_p", "min_p", "typical_p", "presence_penalty", "frequency_penalty")
 BEAM = ("length_penalty", "early_stopping")
 BOTH = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "eos_token_id")
-SAMPLING_ONLY = SAMPLER + ("seed", "batch_size", "no_stop", "slide")  # what beam search has no use for
+SPECULATION = ("draft", "num_speculative_tokens", "prompt_lookup", "max_matching_ngram_size")
+SAMPLING_ONLY = SAMPLER + ("seed", "batch_size", "no_stop", "slide") + SPECULATION  # what beam search has no use for
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
 
 
@@ -47,6 +48,8 @@ def conflict(args) -> str | None:
         return f"give at most one of {_flags(KINDS)}; got {_flags(given)}"
     if given and args.ray is not None:
         return f"{_flags(given)} goes without --ray: the Ray workers generate without a constraint"
+    if problem := _speculation_conflict(args, given):
+        return problem
     n = args.num_return_sequences or 1
     if args.num_beams > 1:
         if given := _given(args, SAMPLING_ONLY):
@@ -62,6 +65,21 @@ def conflict(args) -> str | None:
                 f"(--temperature above 0) or search (--num-beams {n})")
     if n > 1 and args.slide:
         return "--slide goes with one text, not --num-return-sequences > 1"
+    return None
+
+
+def _speculation_conflict(args, constraint: list[str]) -> str | None:
+    """What is wrong with the speculative decoding flags given together (``constraint``: the structured
+    output flag given, if any)."""
+    if args.draft is not None and args.prompt_lookup is not None:
+        return "give --draft or --prompt-lookup, not both"
+    if args.num_speculative_tokens is not None and args.draft is None:
+        return "--num-speculative-tokens goes with --draft"
+    if args.max_matching_ngram_size is not None and args.prompt_lookup is None:
+        return "--max-matching-ngram-size goes with --prompt-lookup"
+    speculating = _given(args, ("draft", "prompt_lookup"))
+    if speculating and args.num_beams == 1 and (others := constraint + _given(args, ("slide",))):
+        return f"{_flags(speculating)} goes without {_flags(others)}: speculative decoding does not take them yet"
     return None
 
 
@@ -116,6 +134,7 @@ def run(args) -> int:
             return _beams_batch(prompts, w, tokenizer, options)
         return _beams(args.prompt, w, tokenizer, options, t0)
     options.update(seed=args.seed, stop_at_eos=not args.no_stop)
+    options.update(speculation(args, w))
     if args.ray is not None:
         return _on_ray(prompts, args, dict(options, num_return_sequences=n), n, beam)
     if prompts is not None:
@@ -147,6 +166,20 @@ def structured(args, tokenizer, vocab) -> dict:
     except GrammarError as e:  # (named as the flag, not as the library's argument)
         raise GPT2NumbaError(f"{flag}: {e.detail if e.argument else e}") from None
     return {name: value, "tokenizer": tokenizer}
+
+
+def speculation(args, w) -> dict:
+    """The speculative decoding flags given, as the library's arguments; --draft's weights made or loaded here
+    (not on Ray, whose workers hold the weights), so that an error names the flag."""
+    from ..decoding import speculative
+
+    options = {"num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_num_tokens": args.prompt_lookup,
+               "max_matching_ngram_size": args.max_matching_ngram_size}
+    options = {name: value for name, value in options.items() if value is not None}
+    if args.draft is not None:
+        label = f"--draft {args.draft}"
+        options["draft"] = args.draft if w is None else speculative.draft_weights(w, args.draft, label)
+    return options
 
 
 def bad_words_ids(words: list[str], tokenizer) -> list[list[int]]:

@@ -16,6 +16,7 @@ first of them to run prefills the prompt, the others read its cache's rows in pl
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,7 @@ from ..model.forward import prefill_batch
 from ..model.kvcache import ModelCache, check_kv_dtype
 from ..model.weights import GPT2Weights
 from ..text.tokenizer import EOT_ID
+from . import speculative
 from .constraints import Constraint, Matcher
 from .prefixes import PrefixCache
 
@@ -67,6 +69,8 @@ class Sequence:
     pending: np.ndarray | None = None  # (vocab,) logits after its prompt, when it copied them ready-made
     reserved: int = 0  # the positions its batch holds for it (Batch.need)
     matcher: Matcher | None = None  # its constraint's state (structured output), if it has one
+    drafter: object = None  # its draft's state (speculative.ModelDraft or PromptLookup), when its batch speculates
+    k: int = 0  # the tokens it drafts a step (its batch's num_speculative_tokens, or adapted)
 
     def __post_init__(self):
         self.prompt_len = len(self.ids)
@@ -85,11 +89,14 @@ class Sequence:
 class Batch:
     """At most ``size`` sequences in flight over the weights ``w``, each in a cache of ``kv_dtype``
     (kvcache.KV_DTYPES, checked); with ``prefixes`` (of the same kv_dtype), a prompt starts from the
-    longest prefix cached there, and every prompt that runs is stored there."""
+    longest prefix cached there, and every prompt that runs is stored there. With ``speculation``
+    (speculative.plan's), every sequence without a constraint drafts tokens that the step checks, in the same
+    pass as the others' rows (``stats`` counts them)."""
 
     def __init__(self, w: GPT2Weights, size: int, prefixes: PrefixCache | None = None, kv_dtype: str = "float32",
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, speculation: speculative.Speculation | None = None):
         self.w, self.size, self.prefixes, self.kv_dtype = w, size, prefixes, check_kv_dtype(kv_dtype)
+        self.speculation, self.stats = speculation, speculative.Stats()
         # the cache positions its sequences may own at once (None: as many as they ask), each sequence
         # reserving what it may write when it is added (need), released when it leaves
         self.max_positions = max_positions
@@ -139,6 +146,8 @@ class Batch:
         seq = Sequence(list(ids), max_new_tokens, sampler, rng, _stop_ids(sampler) if stop_at_eos else (), cache)
         seq.reserved = need
         seq.matcher = Matcher(constraint) if constraint is not None else None
+        if self.speculation is not None and constraint is None:
+            seq.drafter, seq.k = self.speculation.drafter(cache.max_len), self.speculation.k or speculative.ADAPTIVE[0]
         if shared is not None:
             assert shared.uses >= 1
             shared.uses -= 1
@@ -188,7 +197,8 @@ class Batch:
         seq.cache = None  # whoever still holds the sequence, its memory is free
 
     def step(self, max_prompt_rows: int | None = None) -> list[tuple[Sequence, int, bool, np.ndarray]]:
-        """One forward pass over every sequence: (sequence, its new token, whether it is done, its logits).
+        """One forward pass over every sequence: (sequence, its new token, whether it is done, its logits), in
+        order; a sequence that speculates may have several tokens in a step, the last of them ending it if one does.
 
         With ``max_prompt_rows``, a step feeds at most that many prompt rows in all (the earliest added
         first; IDLE_PROMPT_ROWS if larger and no sequence is decoding), and a prompt cut short goes on in
@@ -201,12 +211,20 @@ class Batch:
         if not seqs:
             return []
         rows = self._rows(seqs, max_prompt_rows)  # sequence -> rows it feeds now
+        drafts = self._draft(rows)  # sequence -> (its drafted tokens, fed after its last token; their q or None)
         fed = list(rows)
-        logits = prefill_batch([s.feed[: rows[s]] for s in fed], self.w, [s.cache for s in fed],
-                               out=self._logits[: len(fed)]) if fed else []
+        started = time.perf_counter()
+        logits = self._pass(fed, rows, drafts) if fed else []
+        if drafts:
+            self.stats.verify_seconds += time.perf_counter() - started
+            self.stats.passes += 1
         for seq in fed:
             del seq.feed[: rows[seq]]
-        row_of = {s: row for s, row in zip(fed, logits) if not s.feed}  # those whose prompt (or token) is in
+        plain = [s for s in fed if s not in drafts]
+        row_of = {s: row for s, row in zip(plain, logits) if not s.feed}  # those whose prompt (or token) is in
+        blocks, end = {}, len(plain)  # a drafting sequence's rows: after its last token and after each draft
+        for seq in drafts:
+            blocks[seq], end = logits[end: end + rows[seq]], end + rows[seq]
         if self.prefixes is not None:
             for seq in row_of:
                 if seq.new_tokens == 0:  # its prompt has just run
@@ -223,6 +241,9 @@ class Batch:
                 shared.leader = None
         out = []
         for seq in seqs:
+            if seq in blocks:
+                out.extend(self._settle(seq, blocks[seq], *drafts[seq]))
+                continue
             if seq not in row_of:
                 continue
             row = row_of[seq]
@@ -235,6 +256,48 @@ class Batch:
                 seq.feed = [token]
             out.append((seq, token, done, row))
         self.in_flight = self.positions()
+        return out
+
+    def _draft(self, rows: dict[Sequence, int]) -> dict:
+        """The drafts of the decoding sequences that speculate (batched: speculative.propose_all), each fed after
+        its last token now; those that drafted none are left out."""
+        if self.speculation is None:
+            return {}
+        seqs = [s for s in rows if s.drafter is not None and s.new_tokens > 0]
+        started = time.perf_counter()
+        drafts = speculative.propose_all([(s.drafter, s.ids, min(s.k, s.max_new_tokens - s.new_tokens - 1),
+                                           s.sampler, s.rng, s.prompt_len) for s in seqs])
+        self.stats.draft_seconds += time.perf_counter() - started
+        drafts = {s: d for s, d in zip(seqs, drafts) if d[0]}
+        for seq, (tokens, _) in drafts.items():
+            seq.feed += tokens
+            rows[seq] = len(seq.feed)
+        return drafts
+
+    def _pass(self, fed: list[Sequence], rows: dict[Sequence, int], drafts: dict) -> np.ndarray:
+        """One forward pass over the rows fed: logits after each sequence's last row, then each drafting
+        sequence's rows (after its last token and after each draft), in that order, valid until the next step."""
+        order = [s for s in fed if s not in drafts] + list(drafts)
+        R = len(order) - len(drafts) + sum(rows[s] for s in drafts)
+        if self._logits.shape[0] < R:
+            self._logits = np.empty((R, self._logits.shape[1]), np.float32)
+        return prefill_batch([s.feed[: rows[s]] for s in order], self.w, [s.cache for s in order],
+                             out=self._logits[:R], every_row=[s in drafts for s in order] if drafts else None)
+
+    def _settle(self, seq: Sequence, block: np.ndarray, drafted: list[int], qs) -> list:
+        """A drafting sequence's step: the drafts its model keeps and its own token (speculative.settle), each
+        as step() gives tokens, up to the one that ends it."""
+        new, seq.k = speculative.settle(block, drafted, qs, seq.ids, seq.cache, seq.sampler, seq.rng, seq.prompt_len,
+                                        self.speculation, seq.k, self.stats)
+        out = []
+        for token, row in zip(new, block):
+            seq.ids.append(token)
+            done = token in seq.stop_ids or seq.new_tokens == seq.max_new_tokens
+            out.append((seq, token, done, row))
+            if done:
+                self.remove(seq)
+                return out
+        seq.feed = [new[-1]]
         return out
 
     @staticmethod

@@ -16,6 +16,7 @@ from ..model.forward import decode_step, prefill
 from ..model.kvcache import ModelCache, check_kv_dtype
 from ..model.weights import GPT2Weights
 from ..text.tokenizer import Tokenizer, resolve_tokenizer
+from . import speculative
 from .batching import Batch, Sequence, SharedPrompt, next_token
 from .constraints import Matcher, constraint as _constraint, per_sequence
 from .processors import Processors
@@ -94,6 +95,29 @@ class Sampler:
             if self.temperature != 0:
                 rng.random()  # (the draw a sample takes: the stream goes on as after any other sample)
             return int(ids[0])
+        z = self._processed(z, previous, prompt_len, ids)
+        token = self._pick(z, rng)
+        return token if ids is None else int(ids[token])
+
+    def probabilities(self, logits, previous, prompt_len: int = 0) -> np.ndarray:
+        """float64 (vocab,): the probability of each token that __call__ (without a mask) samples it with, after
+        the processors, the temperature and the cuts; greedy (temperature 0) is all on the argmax. Speculative
+        decoding's p and q (speculative.py). Raises SamplingError as __call__ does."""
+        z = self._processed(np.array(logits, dtype=np.float64), previous, prompt_len)
+        p = np.zeros(z.size)
+        if self.temperature == 0:
+            p[np.argmax(z)] = 1.0
+            return p
+        cut = self.top_k is not None or self.top_p is not None or self.min_p or self.typical_p is not None
+        ranked = z.copy() if self.top_k is not None else None
+        with np.errstate(over="ignore"):
+            z = (z - z.max()) / self.temperature
+        candidates = self.candidates(z, ranked) if cut else slice(None)
+        p[candidates] = _softmax(z[candidates])
+        return p
+
+    def _processed(self, z: np.ndarray, previous, prompt_len: int, ids: np.ndarray | None = None) -> np.ndarray:
+        """z (vocab,) float64 after the processors (in place), then only the ``ids`` a constraint allows."""
         if self.processors.active:
             self.processors(z, checks.token_ids(previous, z.size) if len(previous) else [], prompt_len)
         if ids is not None:
@@ -101,8 +125,7 @@ class Sampler:
         if (self.processors.active or ids is not None) and (z.size == 0 or z.max() == -np.inf):
             raise SamplingError("every token is banned (bad_words_ids, no_repeat_ngram_size, logit_bias, "
                                 "min_new_tokens" + (", the constraint" if ids is not None else "") + ")")
-        token = self._pick(z, rng)
-        return token if ids is None else int(ids[token])
+        return z
 
     def _pick(self, z: np.ndarray, rng: np.random.Generator) -> int:
         """The index in z (processed logits, float64) of the token chosen: greedy, or sampled after the cuts."""
@@ -171,7 +194,9 @@ def _typical(z: np.ndarray, mass: float) -> np.ndarray:
 def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, seed: int | None = None,
              stop_at_eos: bool = True, slide: bool = False, cache: ModelCache | None = None,
              kv_dtype: str | None = None, json_schema=None, regex=None, choice=None, grammar=None,
-             tokenizer: Tokenizer | None = None, **sampling) -> Iterator[int]:
+             tokenizer: Tokenizer | None = None, draft=None, num_speculative_tokens: int | None = None,
+             prompt_lookup_num_tokens: int | None = None, max_matching_ngram_size: int | None = None,
+             **sampling) -> Iterator[int]:
     """Yield new token ids one at a time: one prefill, then a decode step per token.
 
     ``sampling``: Sampler's settings (temperature, top_k, top_p, min_p, typical_p, repetition_penalty,
@@ -189,13 +214,22 @@ def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, seed: int | Non
     ``tokenizer``'s tokens, GPT-2's by default): every token keeps the text inside it, and the generation ends
     when the text is complete and can take nothing more (or at <|endoftext|>, which it allows where the text
     may end); cut short by max_new_tokens, the text is a prefix of a valid one.
+    Speculative decoding (speculative.py; the same tokens greedy, the same distribution sampled): ``draft``
+    "int4", "int8" or "bfloat16" (these weights in that format), other GPT2Weights of the same vocabulary or a
+    checkpoint's path, drafting ``num_speculative_tokens`` a pass (default: adapted to how many are kept); or
+    ``prompt_lookup_num_tokens`` tokens copied from where the last n-gram (n at most
+    ``max_matching_ngram_size``, default 2) occurred before. Not with ``slide`` or a constraint.
     Raises SamplingError for settings out of range, TokenError/TokenTypeError
-    for bad prompt ids, ConfigError for a bad cache or kv_dtype, GrammarError for a constraint that does not
-    compile.
+    for bad prompt ids, ConfigError for a bad cache, kv_dtype or speculation, GrammarError for a constraint
+    that does not compile.
     """
     checks.weights(w)
     cfg = w.config
     sampler = _settings(sampling, cfg.vocab_size, max_new_tokens, seed)
+    spec = speculative.plan(w, draft, num_speculative_tokens, prompt_lookup_num_tokens, max_matching_ngram_size)
+    constrained = any(c is not None for c in (json_schema, regex, choice, grammar))
+    if spec is not None and (slide or constrained):
+        raise ConfigError(f"speculative decoding does not take {'slide' if slide else 'a constraint'} yet")
     constraint = _constraint(json_schema=json_schema, regex=regex, choice=choice, grammar=grammar,
                              tokenizer=tokenizer, vocab_size=cfg.vocab_size)
     ids = [int(t) for t in checks.token_ids(prompt_ids, cfg.vocab_size)]
@@ -214,7 +248,10 @@ def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, seed: int | Non
         raise ConfigError("generate needs a cache of the weights' config with max_len = n_positions")
     elif kv_dtype is not None and cache.dtype != kv_dtype:
         raise ConfigError(f"kv_dtype={kv_dtype!r} but the cache given is {cache.dtype}: give one or the other")
-    return _generate(ids, w, cache, sampler, max_new_tokens, np.random.default_rng(seed), stop_at_eos, constraint)
+    rng = np.random.default_rng(seed)
+    if spec is not None:
+        return speculative.generate(ids, w, cache, sampler, max_new_tokens, rng, stop_at_eos, spec)
+    return _generate(ids, w, cache, sampler, max_new_tokens, rng, stop_at_eos, constraint)
 
 
 def _generate(ids, w, mc, sampler, max_new_tokens, rng, stop_at_eos, constraint):
@@ -246,7 +283,9 @@ def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, seed: int | 
 
     ``options``: Sampler's settings, as for generate, and a constraint: json_schema, regex, choice or grammar
     for every prompt (as generate takes them, with ``tokenizer``), or ``constraints``, a list with one
-    Constraint (gpt2numba.constraint) or None a prompt. Each sequence follows its own.
+    Constraint (gpt2numba.constraint) or None a prompt. Each sequence follows its own. Or speculative
+    decoding's settings, as generate takes them: each sequence drafts on its own, the drafts of all in one pass
+    of the draft model a token, and the model checks them in the step's one pass.
     ``n`` samples of each prompt: sequence index = prompt_index * n + j for its j-th (index =
     prompt_index when n is 1). A prompt is prefilled once for its n samples (and for every
     repetition of it in ``prompts``); the others copy its cache rows (ModelCache.copy_prefix).
@@ -272,13 +311,15 @@ def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, seed: int | 
 
 def _batch_steps(prompts, w, *, max_new_tokens, seed=None, stop_at_eos=True, batch_size=None, n=1,
                  kv_dtype="float32", streams=None, json_schema=None, regex=None, choice=None, grammar=None,
-                 constraints=None, tokenizer=None, **sampling):
+                 constraints=None, tokenizer=None, draft=None, num_speculative_tokens=None,
+                 prompt_lookup_num_tokens=None, max_matching_ngram_size=None, stats=None, **sampling):
     """generate_batch's checks, then its tokens as (sequence index, token_id, whether that sequence is done,
     its logits row (vocab,) float32, valid until the next step).
 
     streams: each prompt's number in a longer list of prompts that a caller runs in parts (distributed.py,
     Ray Data's blocks): sequence (prompt k, sample j) draws from (seed, streams[k] * n + j), as it would in
     one generate_batch over the whole list; default range(len(prompts)). Ints >= 0, checked by the caller.
+    stats: a speculative.Stats that counts what speculation does (profiling/speculative.py).
     """
     checks.weights(w)
     cfg = w.config
@@ -291,18 +332,22 @@ def _batch_steps(prompts, w, *, max_new_tokens, seed=None, stop_at_eos=True, bat
     prompts = checks.prompts(prompts, cfg, max_new_tokens)
     each = per_sequence(len(prompts), constraints, tokenizer, cfg.vocab_size, json_schema=json_schema, regex=regex,
                         choice=choice, grammar=grammar)
+    spec = speculative.plan(w, draft, num_speculative_tokens, prompt_lookup_num_tokens, max_matching_ngram_size)
+    if spec is not None and any(c is not None for c in each):
+        raise ConfigError("speculative decoding does not take a constraint yet")
     checked = [ids for ids in prompts for _ in range(n)]
     each = [c for c in each for _ in range(n)]
     slots = min(batch_size or len(checked), len(checked))
     numbers = range(len(checked)) if streams is None else [k * n + j for k in streams for j in range(n)]
     rngs = [np.random.default_rng(None if seed is None else [seed, i]) for i in numbers]
-    return _generate_batch(checked, w, sampler, max_new_tokens, rngs, stop_at_eos, slots, kv_dtype, each)
+    return _generate_batch(checked, w, sampler, max_new_tokens, rngs, stop_at_eos, slots, kv_dtype, each, spec, stats)
 
 
-def _generate_batch(prompts, w, sampler, max_new_tokens, rngs, stop_at_eos, slots, kv_dtype, each):
+def _generate_batch(prompts, w, sampler, max_new_tokens, rngs, stop_at_eos, slots, kv_dtype, each, spec, stats):
     if max_new_tokens == 0:
         return
-    batch = Batch(w, slots, kv_dtype=kv_dtype)
+    batch = Batch(w, slots, kv_dtype=kv_dtype, speculation=spec)
+    batch.stats = stats if stats is not None else batch.stats
     shared = _shared_prompts(prompts)
     waiting = collections.deque(range(len(prompts)))
     index_of: dict[Sequence, int] = {}  # sequence in flight -> its index

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..decoding import speculative
 from ..errors import CacheFullError, ConfigError, GPT2NumbaError, SamplingError, TokenTypeError
 from ..model import checks
 from ..text.documents import field_of, split
@@ -234,6 +235,7 @@ def _generation(model, column, max_new_tokens, seed, num_beams, n, logprobs, sto
     checks.labelled("kv_dtype: ", check_kv_dtype, kv_dtype)
     if not isinstance(logprobs, bool):
         raise ConfigError(f"logprobs must be True or False, got {logprobs!r}")
+    speculation = {name: settings.pop(name) for name in speculative.SETTINGS if name in settings}
     sizes = _model_sizes(model)
     vocab_size = sizes[0] if sizes else 2**62  # unknown here: the ids' upper bound is the workers' to check
     if sizes and checks.is_integer(max_new_tokens) and max_new_tokens >= sizes[1]:
@@ -244,6 +246,9 @@ def _generation(model, column, max_new_tokens, seed, num_beams, n, logprobs, sto
     if num_beams > 1:
         if seed is not None or stop_at_eos is not True:
             raise SamplingError("seed and stop_at_eos go with sampling, not beam search (num_beams > 1)")
+        if speculation:
+            raise SamplingError(f"{', '.join(speculation)}: speculative decoding goes with sampling, not beam search "
+                                "(num_beams > 1)")
         own = ("num_beams", "max_new_tokens", "num_return_sequences")  # generate_dataset's arguments
         checks.known_settings(settings, [f.name for f in dataclasses.fields(_Settings) if f.init and f.name not in own])
         search = _Settings(num_beams=num_beams, max_new_tokens=max_new_tokens, num_return_sequences=n, **settings)
@@ -253,12 +258,13 @@ def _generation(model, column, max_new_tokens, seed, num_beams, n, logprobs, sto
         return _Generation(column, index_column, max_new_tokens, n, logprobs, True, options,
                            search.processors.eos_token_id)
     sampler = _settings(settings, vocab_size, max_new_tokens, seed)
+    speculative.check(**speculation)  # (the draft itself is made or loaded by each worker, beside its weights)
     if not checks.is_integer(n) or n < 1:
         raise SamplingError(f"num_return_sequences must be an integer >= 1, got {n!r}")
     if not isinstance(stop_at_eos, bool):
         raise SamplingError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
     options = dict(settings, max_new_tokens=max_new_tokens, seed=seed, stop_at_eos=stop_at_eos, n=n,
-                   kv_dtype=kv_dtype)
+                   kv_dtype=kv_dtype, **speculation)
     return _Generation(column, index_column, max_new_tokens, n, logprobs, False, options,
                        sampler.processors.eos_token_id if stop_at_eos else ())
 

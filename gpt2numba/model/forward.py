@@ -61,20 +61,28 @@ def decode_step(token_id: int, w: GPT2Weights, mc: ModelCache) -> np.ndarray:
     return forward_pass([_token(token_id, w, mc, "")], w, [mc], logits_head(w))[0]
 
 
-def prefill_batch(prompts, w: GPT2Weights, caches, *, out: np.ndarray | None = None) -> np.ndarray:
+def prefill_batch(prompts, w: GPT2Weights, caches, *, out: np.ndarray | None = None,
+                  every_row=None) -> np.ndarray:
     """Prefill B prompts into their B caches in one forward pass.
 
     prompts: B non-empty id sequences of any lengths; caches: B distinct
     ModelCaches of w's config, each continued from its own length. Row b of the
     float32 (B, vocab) result is what prefill(prompts[b], w, caches[b]) returns.
-    ``out``, a float32 (B, vocab) array, receives the logits instead of a new one.
+    ``every_row``, B bools: the prompts marked give the logits after every token (prefill's logits="all"),
+    in order, the others after their last: (R, vocab), R the rows asked for.
+    ``out``, a float32 (R, vocab) array, receives the logits instead of a new one.
     Raises what prefill raises, naming the prompt's index, and BatchError for an
     empty batch, counts that differ or a cache given twice; then no cache changes.
     """
     checks.weights(w)
     prompts, caches = _pairs(prompts, caches, "prompts")
     rows = [checked_prompt(ids, w, mc, f"prompt {b}: ") for b, (ids, mc) in enumerate(zip(prompts, caches))]
-    return forward_pass(rows, w, caches, logits_head(w, out, len(rows)))
+    if every_row is not None:
+        every_row = [bool(e) for e in checks.sequence(every_row, "every_row")]
+        if len(every_row) != len(rows):
+            raise BatchError(f"every_row has {len(every_row)} entries for {len(rows)} prompts: give one a prompt")
+    R = len(rows) if every_row is None else sum(len(ids) if e else 1 for ids, e in zip(rows, every_row))
+    return forward_pass(rows, w, caches, logits_head(w, out, R), every_row=every_row or False)
 
 
 def decode_batch(token_ids, w: GPT2Weights, caches, *, out: np.ndarray | None = None) -> np.ndarray:
@@ -182,12 +190,13 @@ def _token(token_id, w: GPT2Weights, mc, label: str) -> np.ndarray:
 
 # --- the forward pass -----------------------------------------------------------------------------------
 
-def forward_pass(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], head, every_row: bool = False):
+def forward_pass(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache], head, every_row=False):
     """All blocks over the checked new ids of B sequences; then ``head`` on the final rows.
 
     seqs[b]: int64 (T_b,) ids at positions caches[b].length..; the caches are
     distinct and have room. head(h, n_chunks) takes h: float32 (R, C), the rows
-    after ln_f (each sequence's last row, or with every_row all N rows in order),
+    after ln_f (each sequence's last row; with every_row True all N rows in order; with every_row B bools,
+    all rows of the sequences marked, the last of the others, in order),
     and returns the result: the logits, or what scoring keeps of them. The
     caches' lengths move only once the head has succeeded.
     """
@@ -223,13 +232,19 @@ def forward_pass(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache
         wrong = np.flatnonzero((written != (pos0 + counts)[:, None]).any(axis=0))
         if wrong.size:
             raise GPT2NumbaError(f"internal error: layers {wrong.tolist()} did not write their cache rows")
-        rows = x if every_row else x[row0[1:] - 1]
+        rows = x[_head_rows(row0, every_row)] if isinstance(every_row, list) else x if every_row else x[row0[1:] - 1]
         h = np.empty_like(rows)  # (R, C)
         _layernorm(rows, w.ln_f_g, w.ln_f_b, eps, h)
         result = head(h, n_chunks)
     for mc, layers in zip(caches, written):
         mc._commit(layers)
     return result
+
+
+def _head_rows(row0: np.ndarray, every_row: list[bool]) -> np.ndarray:
+    """The rows the head takes: all of sequence b's where every_row[b], else its last."""
+    return np.concatenate([np.arange(row0[b] if every else row0[b + 1] - 1, row0[b + 1])
+                           for b, every in enumerate(every_row)])
 
 
 def _embed(ids: np.ndarray, positions: np.ndarray, w: GPT2Weights) -> np.ndarray:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..decoding import speculative
 from ..errors import ConfigError
 from ..model.kvcache import check_kv_dtype
 
@@ -79,6 +80,16 @@ class ServeConfig:
     max_grammar_seconds: float = _setting(2.0, Flag(
         "the longest a request's grammar may take to compile; longer get 400 (default %(default)s)", "SECONDS",
         positive=True))
+    # Speculative decoding (decoding/speculative.py): each sequence without a constraint drafts tokens that the
+    # step checks in its pass; the same tokens greedy, the same distribution sampled
+    draft: str | None = _setting(None, Flag(
+        "speculative decoding: int4, int8 or bfloat16 (the model's own weights in that format, its keys and values "
+        "as many again) or a checkpoint of a GPT-2 with the same vocabulary (default: none)", "DRAFT"))
+    num_speculative_tokens: int | None = _setting(None, Flag(
+        "with --draft: tokens drafted a step (default: adapted to how many are kept)", "N", at_least=1, at_most=64))
+    prompt_lookup: int | None = _setting(None, Flag(
+        "speculative decoding by prompt lookup: draft N tokens copied from what followed the last words where they "
+        "occurred before (default: none)", "N", at_least=1, at_most=64))
     max_connections: int = _setting(1024, Flag(
         "open connections; one more closes the one idle longest (default %(default)s)", "N", at_least=1),
         connection=True)
@@ -113,6 +124,7 @@ class ServeConfig:
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be at least 0, got {getattr(self, name)}")
         check_kv_dtype(self.kv_dtype)
+        speculative.check(self.draft, self.num_speculative_tokens, self.prompt_lookup)
 
     def named(self, model: str | None) -> ServeConfig:
         """This config with model_name, if not given, from the model as models.resolve_model takes it: a

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from ..decoding import speculative
 from ..decoding.batching import Batch, Sequence, SharedPrompt
 from ..decoding.constraints import Constraint
 from ..decoding.prefixes import PrefixCache
@@ -141,9 +142,11 @@ class Engine:
         self.metrics = metrics if metrics is not None else Watcher()
         kv_dtype, prefix_bytes = config.kv_dtype, int(config.prefix_cache_mb * 2**20)
         self.prefixes = PrefixCache(w.config, prefix_bytes, kv_dtype) if config.prefix_cache_mb else None
-        position = ModelCache(w.config, 1, kv_dtype).nbytes  # bytes of one position's keys and values
+        self.speculation = spec = speculative.plan(w, config.draft, config.num_speculative_tokens, config.prompt_lookup)
+        # bytes of one position's keys and values, and of its draft's
+        position = ModelCache(w.config, 1, kv_dtype).nbytes + (spec.position_bytes if spec is not None else 0)
         self.max_positions = int(config.kv_cache_mb * 2**20) // position if config.kv_cache_mb else None
-        self.batch = Batch(w, config.max_batch, self.prefixes, kv_dtype, self.max_positions)  # caches in kv_dtype
+        self.batch = Batch(w, config.max_batch, self.prefixes, kv_dtype, self.max_positions, spec)  # in kv_dtype
         self.logprobs = Logprobs(w, tokenizer, kv_dtype)
         self.waiting = Waiting(config)
         self._owner: dict[Sequence, tuple[Job, _Choice]] = {}
@@ -243,7 +246,7 @@ class Engine:
     def _warm_up(self) -> None:
         ids = [self.tokenizer.eot_id] * 3
         prefill(ids, self.w, ModelCache(self.w.config, max_len=3, dtype=self.batch.kv_dtype), logits="all")
-        sequence = self.batch.add(ids, max_new_tokens=2, sampler=Sampler(0.0), rng=np.random.default_rng(0))
+        sequence = self.batch.add(ids, max_new_tokens=3, sampler=Sampler(0.0), rng=np.random.default_rng(0))  # drafts 1
         while sequence in self.batch.sequences:
             self.batch.step()
 
@@ -285,10 +288,12 @@ class Engine:
                 self._fail(job, f"internal error: {type(e).__name__}: {e}")
             self._flush()
             return True
-        self.metrics.step(len(steps))
+        delivered = 0
         for sequence, token, done, row in steps:
-            job, choice = self._owner[sequence]
-            self._on_token(job, choice, token, done, row)
+            if sequence in self._owner:  # (not when a stop string ended it at an earlier token of this step)
+                self._on_token(*self._owner[sequence], token, done, row)
+                delivered += 1
+        self.metrics.step(delivered)
         self._flush()
         return True
 

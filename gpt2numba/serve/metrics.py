@@ -103,6 +103,12 @@ class _EngineState:
         yield positions
         yield GaugeMetricFamily("gpt2numba_kv_cache_max_positions", "Cache positions the sequences in flight may "
                                 "own at once (--kv-cache-mb); 0 for no bound", value=engine.max_positions or 0)
+        if getattr(engine, "speculation", None) is not None:  # vLLM's spec_decode counters
+            stats = engine.batch.stats
+            yield CounterMetricFamily("gpt2numba_spec_decode_num_draft_tokens", "Tokens drafted (speculative "
+                                      "decoding)", value=stats.drafted)
+            yield CounterMetricFamily("gpt2numba_spec_decode_num_accepted_tokens", "Drafted tokens the model kept",
+                                      value=stats.accepted)
         prefixes = getattr(engine, "prefixes", None)  # None: no prefix cache (or an engine without one)
         if prefixes is None:
             return
