@@ -48,6 +48,10 @@ def main(argv=None) -> int:
     p.add_argument("--schema", action="store_true",
                    help="then every level again with each stream under a JSON schema (guided_json; each client its "
                    "own, which no text completes within --max-tokens)")
+    p.add_argument("--draft", action="append", metavar="WORD",
+                   help="then every level again on a server started with these speculative decoding flags, a word "
+                   "each: --draft=--draft --draft=int4, or --draft=--prompt-lookup --draft=8 (its drafted and kept "
+                   "tokens from /metrics)")
     p.add_argument("--json", type=Path, help="write every figure here")
     args = p.parse_args(argv)
     import httpx  # noqa: F401  (fails early without the [serve] extra)
@@ -70,6 +74,15 @@ def main(argv=None) -> int:
                 report["schema"] = _levels(url, args, run=2, schema=True)
         finally:
             if server:
+                server.terminate()
+                server.wait(30)
+        if args.draft and not args.url:
+            url, server = _start(model, args, Path(tmp), args.draft)
+            try:
+                report["draft"] = _levels(url, args)  # (the same prompts: a new server, its prefix cache empty)
+                report["draft"]["flags"] = " ".join(args.draft)
+                report["draft"]["metrics"] = _spec_counts(url)
+            finally:
                 server.terminate()
                 server.wait(30)
         if args.llama and not args.url:
@@ -111,11 +124,11 @@ print(1e3 * float(np.median(steps)), 1e3 * float(np.median(whole[1:])))
     return {"decode_step_ms": step_ms, "request_ms": request_ms}
 
 
-def _start(model: Path, args, tmp: Path):
+def _start(model: Path, args, tmp: Path, extra=()):
     port = _free_port()
     log = (tmp / "server.log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "gpt2numba", "serve", "--model", str(model), "--port", str(port),
-                               "--threads", str(args.threads), "--max-batch", str(max(args.concurrency))],
+                               "--threads", str(args.threads), "--max-batch", str(max(args.concurrency)), *extra],
                               stdout=log, stderr=subprocess.STDOUT)
     return _wait(server, f"http://127.0.0.1:{port}", "/health", tmp / "server.log"), server
 
@@ -229,6 +242,18 @@ async def _level(url: str, n: int, args, alive: str, run: int, schema: bool = Fa
             **({"whole_request_ms": _percentiles(whole)} if whole else {})}
 
 
+def _spec_counts(url: str) -> dict:
+    """The speculative decoding counters of the server's /metrics: tokens drafted and kept."""
+    import httpx
+
+    counts = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        for name in ("draft", "accepted"):
+            if line.startswith(f"gpt2numba_spec_decode_num_{name}_tokens_total "):
+                counts[name] = float(line.split()[-1])
+    return counts
+
+
 async def _client(client, prompts, max_tokens, schema=None):
     return [await _stream(client, prompt, max_tokens, schema) for prompt in prompts]
 
@@ -286,6 +311,14 @@ def _print(r):
         _table(r["neighbour"])
         print("TPOT p95 beside it over quiet: " + ", ".join(
             f"N={n} {o['tpot_ms']['p95'] / levels[n]['tpot_ms']['p95']:.2f}x" for n, o in r["neighbour"].items()))
+    if "draft" in r:
+        draft = dict(r["draft"])
+        flags, counts = draft.pop("flags"), draft.pop("metrics")
+        print(f"\nthe same on a server with {flags} (drafted {counts.get('draft', 0):.0f} tokens, kept "
+              f"{counts.get('accepted', 0):.0f}: {counts.get('accepted', 0) / max(1, counts.get('draft', 0)):.0%}):")
+        _table(draft)
+        print("tok/s with the draft over without: " + ", ".join(
+            f"N={n} {o['tok_s'] / levels[n]['tok_s']:.2f}x" for n, o in draft.items()))
     if "schema" in r:
         print("\nthe same with every stream under a JSON schema (guided_json, each client its own):")
         _table(r["schema"])

@@ -357,7 +357,8 @@ def test_serve_load_script(tmp_path):
     out = tmp_path / "load.json"
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "serve_load.py"), "--model", str(tmp_path / "ckpt"),
                         "--concurrency", "1", "3", "--prompt-tokens", "8", "--max-tokens", "5", "--rounds", "1",
-                        "--neighbour", "--schema", "--json", str(out)], capture_output=True, text=True, timeout=600)
+                        "--neighbour", "--schema", "--draft=--prompt-lookup", "--draft=4", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     for levels in (report["concurrency"], report["neighbour"], report["schema"]):
@@ -365,6 +366,9 @@ def test_serve_load_script(tmp_path):
         assert three["requests"] == 3 and three["tokens"] == 15 and three["tpot_ms"]["p50"] > 0
     assert report["in_process_ms"]["decode_step_ms"] > 0 and "not streamed" in r.stdout
     assert "beside it over quiet: N=1" in r.stdout and "tok/s with schemas over without: N=1" in r.stdout
+    assert report["draft"]["3"]["tokens"] == 15 and report["draft"]["metrics"]["draft"] > 0
+    assert "on a server with --prompt-lookup 4 (drafted" in r.stdout and "tok/s with the draft over without: N=1" \
+        in r.stdout
 
 
 def test_serve_chunked_script(tmp_path):
@@ -553,3 +557,17 @@ def test_structured_script(tmp_path):
     for name in ("outlines-core", "xgrammar"):
         assert ("missing" in report["compare"][name]) == (importlib.util.find_spec(name.replace("-", "_")) is None)
     assert "decode step, one sequence" in r.stdout and "llguidance" in r.stdout
+
+
+def test_speculative_script(tmp_path):
+    """profiling/speculative.py on a tiny checkpoint: every section runs, prints its table, and finds the drafts'
+    tokens plain decoding's."""
+    write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "speculative.py"), "--model", str(tmp_path / "ckpt"),
+                        "--prompt", "8", "--new", "12", "--rounds", "1", "--batch", "2", "--batch-new", "6"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    for section in ("draft: prompt 8 tokens", "lookup: prompt 8 tokens", "batch: 2 prompts of 8 tokens"):
+        assert section in r.stdout, r.stdout
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "condition" not in line]
+    assert len(rows) == 4 + 2 + 4 and all(line.split("|")[-3].strip() == "yes" for line in rows), r.stdout

@@ -60,6 +60,22 @@ def test_a_batch_gives_plain_greedys_tokens(tiny, other, prompts, new, kind, k, 
     assert run(**ask) == run()
 
 
+def test_a_full_batch_does_not_draft(tiny, monkeypatch):
+    """Past max_batch sequences decoding at once, a step checks no drafts (it would cost more than it gives); at
+    or under it, every step drafts. The tokens are plain generate_batch's either way."""
+    from gpt2numba.decoding.sample import _batch_steps
+
+    monkeypatch.setattr(speculative, "DRAFT_MAX_BATCH", 2)
+    prompts = [[1, 2], [3, 4, 5], [6]]
+    for batch_size, drafts in ((3, False), (2, True)):
+        counts, out = speculative.Stats(), [[] for _ in prompts]
+        for i, token, *_ in _batch_steps(prompts, tiny, max_new_tokens=10, temperature=0, stop_at_eos=False,
+                                         batch_size=batch_size, draft="int8", stats=counts):
+            out[i].append(token)
+        assert (counts.drafted > 0) == drafts
+        assert out == [list(g.generate(p, tiny, max_new_tokens=10, temperature=0, stop_at_eos=False)) for p in prompts]
+
+
 class Oracle:
     """A drafter that knows the plain output: always right, or always wrong (the right token + 1)."""
 
@@ -76,7 +92,7 @@ def test_a_draft_always_right_or_always_wrong(tiny, wrong):
     prompt, new, k = [5, 77, 300], 25, 4
     plain = list(g.generate(prompt, tiny, max_new_tokens=new, temperature=0, stop_at_eos=False))
     spec, counts = speculative.Speculation(None, k), speculative.Stats()
-    spec.drafter = lambda: Oracle(plain, len(prompt), wrong)
+    spec.drafter = lambda target: Oracle(plain, len(prompt), wrong)
     sampler = _settings({"temperature": 0}, TINY.vocab_size, new, None)
     mc = g.ModelCache(TINY)
     fast = list(speculative.generate(list(prompt), tiny, mc, sampler, new, np.random.default_rng(0), False, spec,
@@ -190,6 +206,15 @@ def test_probabilities_are_what_the_sampler_draws_from():
         _, p_value = scipy_stats.chisquare(draws[p > 0], 20000 * p[p > 0])
         assert p_value > 1e-3, (setting, p_value)
     assert g.Sampler(temperature=0).probabilities(logits, [], 0).tolist() == np.eye(12)[np.argmax(logits)].tolist()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_a_compact_cache(tiny, kv_dtype):
+    """The model's cache in half precision: its own int4 draft reads those rows (a cache of the same dtype), and
+    the tokens are plain greedy decoding's with that cache."""
+    prompt = [7, 8, 9, 10]
+    plain = list(g.generate(prompt, tiny, max_new_tokens=30, temperature=0, kv_dtype=kv_dtype))
+    assert list(g.generate(prompt, tiny, max_new_tokens=30, temperature=0, kv_dtype=kv_dtype, draft="int4")) == plain
 
 
 def test_seeds_reproduce(tiny):

@@ -176,9 +176,9 @@ def speculation(args, w) -> dict:
     options = {"num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_num_tokens": args.prompt_lookup,
                "max_matching_ngram_size": args.max_matching_ngram_size}
     options = {name: value for name, value in options.items() if value is not None}
-    if args.draft is not None:
-        label = f"--draft {args.draft}"
-        options["draft"] = args.draft if w is None else speculative.draft_weights(w, args.draft, label)
+    if args.draft is not None:  # (a compact format by name: the library's draft then reads the model's cache)
+        made = None if w is None else speculative.draft_weights(w, args.draft, f"--draft {args.draft}")
+        options["draft"] = args.draft if w is None or args.draft in speculative.COMPACT_DRAFTS else made
     return options
 
 

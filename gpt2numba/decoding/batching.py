@@ -147,7 +147,7 @@ class Batch:
         seq.reserved = need
         seq.matcher = Matcher(constraint) if constraint is not None else None
         if self.speculation is not None and constraint is None:
-            seq.drafter, seq.k = self.speculation.drafter(cache.max_len), self.speculation.k or speculative.ADAPTIVE[0]
+            seq.drafter, seq.k = self.speculation.drafter(cache), self.speculation.k or speculative.ADAPTIVE[0]
         if shared is not None:
             assert shared.uses >= 1
             shared.uses -= 1
@@ -260,10 +260,12 @@ class Batch:
 
     def _draft(self, rows: dict[Sequence, int]) -> dict:
         """The drafts of the decoding sequences that speculate (batched: speculative.propose_all), each fed after
-        its last token now; those that drafted none are left out."""
-        if self.speculation is None:
+        its last token now; those that drafted none are left out. None while more sequences decode than the
+        speculation's max_batch."""
+        decoding = [s for s in rows if s.new_tokens > 0]
+        if self.speculation is None or len(decoding) > self.speculation.max_batch:
             return {}
-        seqs = [s for s in rows if s.drafter is not None and s.new_tokens > 0]
+        seqs = [s for s in decoding if s.drafter is not None]
         started = time.perf_counter()
         drafts = speculative.propose_all([(s.drafter, s.ids, min(s.k, s.max_new_tokens - s.new_tokens - 1),
                                            s.sampler, s.rng, s.prompt_len) for s in seqs])

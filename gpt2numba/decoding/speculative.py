@@ -39,6 +39,13 @@ SETTINGS = ("draft", "num_speculative_tokens", "prompt_lookup_num_tokens", "max_
 COMPACT_DRAFTS = ("int4", "int8", "bfloat16")  # draft=<one of these>: the model's own weights in that format
 MAX_DRAFT = 64  # num_speculative_tokens and prompt_lookup_num_tokens at most (a pass over 65 rows)
 ADAPTIVE = (4, 1, 12)  # num_speculative_tokens=None: k starts at 4, +2 when all are kept, -1 when not, in [1, 12]
+# A batch drafts only while at most this many sequences decode (vLLM's speculative_disable_by_batch_size): past
+# it a step is arithmetic more than a read of the weights, and checking drafts costs more than it gives. GPT-2
+# large, float32, 2 threads, AMD EPYC Zen 4, decoding alone (docs/speculative.md): int4 drafts 1.75x with 1
+# sequence, 1.42x with 2, 1.14x with 4, 0.90x with 8; prompt lookup (no draft model) 2.66x with 2, 2.06x with 4,
+# 1.45x with 8, 1.08x with 16.
+DRAFT_MAX_BATCH = 4
+LOOKUP_MAX_BATCH = 16
 
 _compact: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # weights -> {dtype: the same in dtype}
 
@@ -69,15 +76,25 @@ class Speculation:
     draft: GPT2Weights | str | PathLike | None
     k: int | None
     ngram: int = 0  # prompt lookup's max_matching_ngram_size (0 with a model draft)
+    shares: bool = False  # the draft is the model's own weights in a compact format: it reads the model's cache
+
+    def position_bytes(self, kv_dtype: str) -> int:
+        """What each position of a sequence costs beside the model's cache of ``kv_dtype``: its draft's keys and
+        values (of the model's dtype when it shares the model's cache, else float32)."""
+        if self.draft is None:
+            return 0
+        return ModelCache(self.draft.config, 1, kv_dtype if self.shares else "float32").nbytes
 
     @property
-    def position_bytes(self) -> int:
-        """What each position of a sequence costs beside the model's cache: its draft's keys and values (float32)."""
-        return 0 if self.draft is None else ModelCache(self.draft.config, 1).nbytes
+    def max_batch(self) -> int:
+        """The most sequences decoding at once for which a batch drafts."""
+        return DRAFT_MAX_BATCH if self.draft is not None else LOOKUP_MAX_BATCH
 
-    def drafter(self, max_len: int | None = None):
-        """A new sequence's draft state: a ModelDraft (its cache at most ``max_len`` positions), or prompt lookup."""
-        return ModelDraft(self.draft, max_len) if self.draft is not None else PromptLookup(self.ngram)
+    def drafter(self, target: ModelCache):
+        """A new sequence's draft state beside the model's cache ``target``: a ModelDraft, or prompt lookup."""
+        if self.draft is None:
+            return PromptLookup(self.ngram)
+        return ModelDraft(self.draft, target.max_len, target if self.shares else None)
 
 
 def plan(w: GPT2Weights, draft=None, num_speculative_tokens: int | None = None,
@@ -90,7 +107,8 @@ def plan(w: GPT2Weights, draft=None, num_speculative_tokens: int | None = None,
     spec = check(draft, num_speculative_tokens, prompt_lookup_num_tokens, max_matching_ngram_size)
     if spec is None or spec.draft is None:
         return spec
-    return dataclasses.replace(spec, draft=draft_weights(w, spec.draft))
+    shares = isinstance(spec.draft, str) and spec.draft in COMPACT_DRAFTS
+    return dataclasses.replace(spec, draft=draft_weights(w, spec.draft), shares=shares)
 
 
 def check(draft=None, num_speculative_tokens: int | None = None, prompt_lookup_num_tokens: int | None = None,
@@ -155,11 +173,15 @@ def draft_weights(w: GPT2Weights, draft, label: str | None = None) -> GPT2Weight
 
 class ModelDraft:
     """A draft model with a cache of its own (at most ``max_len`` positions), which holds ``fed``, the tokens it has
-    read."""
+    read. With ``target``, the model's cache (the draft is the model's own weights in a compact format), the draft
+    reads the model's keys and values of every token but the last in place (shared, not copied: as QSpec's
+    quantized draft shares its verifier's cache) and computes its own only for the tokens it drafts: it never
+    prefills the prompt, and its context is the model's exactly."""
 
-    def __init__(self, w: GPT2Weights, max_len: int | None = None):
-        self.w, self.fed = w, []
-        self.cache = ModelCache(w.config, min(max_len or w.config.n_positions, w.config.n_positions))
+    def __init__(self, w: GPT2Weights, max_len: int | None = None, target: ModelCache | None = None):
+        self.w, self.fed, self.target = w, [], target
+        max_len = min(max_len or w.config.n_positions, w.config.n_positions)
+        self.cache = ModelCache(w.config, max_len, target.dtype if target is not None else "float32")
 
     def propose(self, ids: list[int], k: int, sampler, rng, prompt_len: int):
         """Up to k tokens after ``ids``, and the draft's distribution for each (None when greedy)."""
@@ -167,11 +189,17 @@ class ModelDraft:
 
     def _start(self, ids: list[int], k: int) -> tuple[list[int], int]:
         """(The tokens to feed first, how many it can draft): its cache keeps what still holds of ``ids``."""
-        keep = min(_shared_prefix(self.fed, ids), len(ids) - 1)  # (one token fed at least: its logits)
         k = min(k, self.cache.max_len - len(ids) + 1)  # it reads the k - 1 first drafts too
-        if k > 0:
+        if k <= 0:
+            return [], k
+        if self.target is not None:  # the model's cache holds every token but the last
+            assert self.target.length == len(ids) - 1
+            self.cache.copy_prefix(self.target)
+            keep = len(ids) - 1
+        else:
+            keep = min(_shared_prefix(self.fed, ids), len(ids) - 1)  # (one token fed at least: its logits)
             self.cache.copy_prefix(self.cache, keep)
-            self.fed = list(ids)
+        self.fed = list(ids)
         return ids[keep:], k
 
 
@@ -191,6 +219,7 @@ def propose_all(jobs: list[tuple]) -> list[tuple[list[int], list | None]]:
     if not models:
         return results
     w = jobs[models[0][0]][0].w
+    assert all(jobs[i][0].w is w for i, _, _ in models)  # (one draft model: a batch's speculation has one)
     drafted = {i: ([], []) for i, _, _ in models}  # job -> (tokens, distributions)
     active = [i for i, _, _ in models]
     logits = prefill_batch([feed for _, feed, _ in models], w, [jobs[i][0].cache for i in active])
@@ -248,7 +277,7 @@ def generate(ids: list[int], w: GPT2Weights, mc: ModelCache, sampler, max_new_to
         return
     if len(ids) > 1:  # every prompt token but the last, which goes with the first drafts
         forward_pass([checked_prompt(ids[:-1], w, mc, "")], w, [mc], lambda h, n_chunks: None)
-    prompt_len, drafter, k = len(ids), spec.drafter(), spec.k or ADAPTIVE[0]
+    prompt_len, drafter, k = len(ids), spec.drafter(mc), spec.k or ADAPTIVE[0]
     eos = sampler.processors.eos_token_id
     produced = 0
     while True:

@@ -144,7 +144,7 @@ class Engine:
         self.prefixes = PrefixCache(w.config, prefix_bytes, kv_dtype) if config.prefix_cache_mb else None
         self.speculation = spec = speculative.plan(w, config.draft, config.num_speculative_tokens, config.prompt_lookup)
         # bytes of one position's keys and values, and of its draft's
-        position = ModelCache(w.config, 1, kv_dtype).nbytes + (spec.position_bytes if spec is not None else 0)
+        position = ModelCache(w.config, 1, kv_dtype).nbytes + (spec.position_bytes(kv_dtype) if spec else 0)
         self.max_positions = int(config.kv_cache_mb * 2**20) // position if config.kv_cache_mb else None
         self.batch = Batch(w, config.max_batch, self.prefixes, kv_dtype, self.max_positions, spec)  # in kv_dtype
         self.logprobs = Logprobs(w, tokenizer, kv_dtype)
