@@ -2,13 +2,14 @@
 where a speculative pass's time goes.
 
     python profiling/speculative.py [--size large | --model DIR] [--prompt 64] [--new 128] [--rounds 3] [--k 4]
-                                    [--sections draft,lookup,batch] [--batch 16] [--batch-new 64] [--threads 2]
+                                    [--sections draft,lookup,batch] [--batch 1 2 4 8 16] [--batch-new 48]
 
 On seeded random GPT-2 weights of --size (float32), a --prompt-token random prompt, --new tokens greedy, 2 threads:
 - draft: plain greedy decoding against draft="int4" and "int8" with k = --k, and int4 with k adapted;
 - lookup: prompt lookup (--k tokens, n-grams up to 2) on a prompt of a --prompt / 2-token passage said twice;
-- batch: generate_batch of --batch random prompts of --prompt tokens, --batch-new tokens each, plain against
-  int4 drafts with k = 1, 2 and --k (each sequence drafts on its own; the drafts of all in one pass of the draft).
+- batch: generate_batch of random prompts of --prompt tokens, --batch-new tokens each, at each size in --batch:
+  plain against int4 drafts with k = 2 and --k and prompt lookup (each sequence drafts on its own, the drafts of
+  all in one pass of the draft), decoding alone.
 The conditions take turns (A B C, C B A, ...), each run after waiting for a quiet machine; medians over --rounds,
 with the share of the CPU other processes took. tok/s counts the new tokens over the time from the call to the last
 token (prefill included, the same for every condition); then decoding alone, from the first token to the last.
@@ -34,8 +35,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sections", default="draft,lookup,batch")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--batch-new", type=int, default=64)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="batch sizes")
+    parser.add_argument("--batch-new", type=int, default=48)
     args = parser.parse_args()
 
     import gpt2numba
@@ -62,9 +63,10 @@ def main() -> None:
                             ("int8 k=%d" % args.k, {"draft": "int8", "num_speculative_tokens": args.k}),
                             ("int4 adaptive", {"draft": "int4"})],
                   "lookup": [("plain", {}), ("lookup k=%d" % args.k, {"prompt_lookup_num_tokens": args.k})]}
-    conditions["batch"] = [("plain", {})] + [(f"int4 k={k}", {"draft": "int4", "num_speculative_tokens": k})
-                                             for k in sorted({1, 2, args.k})]
-    prompts["batch"] = [rng.integers(0, cfg.vocab_size, args.prompt).tolist() for _ in range(args.batch)]
+    conditions["batch"] = [("plain", {}), ("int4 k=2", {"draft": "int4", "num_speculative_tokens": 2}),
+                           (f"int4 k={args.k}", {"draft": "int4", "num_speculative_tokens": args.k}),
+                           (f"lookup k={args.k}", {"prompt_lookup_num_tokens": args.k})]
+    prompts["batch"] = [rng.integers(0, cfg.vocab_size, args.prompt).tolist() for _ in range(max(args.batch))]
     sampler = _settings({"temperature": 0}, cfg.vocab_size, args.new, None)
     for section in args.sections.split(","):
         if section == "batch":
@@ -105,32 +107,48 @@ def _table(rows, plain, tokens):
 
 
 def _batch_section(w, prompts, runs, args, in_turns, Load):
-    """generate_batch's tokens/s, plain and with drafts, the same tokens checked."""
+    """generate_batch's decoding tokens/s, plain and with drafts, at each batch size in --batch, the same tokens
+    checked. The drafts run at every size (speculative's max_batch lifted), to show where they stop paying."""
     from gpt2numba.decoding import speculative
     from gpt2numba.decoding.sample import _batch_steps
 
-    def run(new, kw):
+    def run(some, new, kw):
         started, stats = time.perf_counter(), speculative.Stats()
-        steps = _batch_steps(prompts, w, max_new_tokens=new, temperature=0, stop_at_eos=False, stats=stats, **kw)
-        tokens = [[] for _ in prompts]
+        steps = _batch_steps(some, w, max_new_tokens=new, temperature=0, stop_at_eos=False, stats=stats, **kw)
+        tokens = [[] for _ in some]
         for i, token, *_ in steps:
             tokens[i].append(token)
         return time.perf_counter() - started, tokens, stats
 
-    for _, kw in runs:
-        run(2, kw)
-    results = {name: [] for name, _ in runs}
-    for _, (name, kw) in in_turns(runs, args.rounds):
-        with Load() as load:
-            results[name].append(run(args.batch_new, kw) + (load.share,))
-    reference = results["plain"][0][1]
-    plain = statistics.median(r[0] for r in results["plain"])
-    total = args.batch * args.batch_new
-    print(f"\nbatch: {args.batch} prompts of {args.prompt} tokens, {args.batch_new} new tokens each "
-          f"(prefill included), medians of {args.rounds}")
-    _table([(name, statistics.median(r[0] for r in results[name]), results[name][0][2],
-             all(r[1] == reference for r in results[name]), max(r[3] or 0 for r in results[name]))
-            for name, _ in runs], plain, total)
+    limits = speculative.DRAFT_MAX_BATCH, speculative.LOOKUP_MAX_BATCH
+    speculative.DRAFT_MAX_BATCH = speculative.LOOKUP_MAX_BATCH = max(args.batch)
+    try:
+        for _, kw in runs:
+            run(prompts[:1], 2, kw)
+        print(f"\nbatch: prompts of {args.prompt} tokens, {args.batch_new} new tokens each, decoding alone (a run of one "
+              f"token each, the prefill, taken off), medians of {args.rounds}; in use today: drafts while at most "
+              f"{limits[0]} sequences decode, prompt lookup {limits[1]}")
+        print("| sequences | " + " | ".join(name for name, _ in runs) + " | same tokens | others' CPU |")
+        print("|---" * (len(runs) + 3) + "|")
+        for size in args.batch:
+            some, results = prompts[:size], {name: [] for name, _ in runs}
+            for _, (name, kw) in in_turns(runs, args.rounds):
+                with Load() as load:
+                    prefill = run(some, 1, kw)[0]
+                    seconds, tokens, stats = run(some, args.batch_new, kw)
+                results[name].append((seconds - prefill, tokens, stats, load.share))
+            plain = statistics.median(r[0] for r in results["plain"])
+            cells = []
+            for name, _ in runs:
+                seconds = statistics.median(r[0] for r in results[name])
+                stats = results[name][0][2]
+                kept = f", {stats.acceptance:.0%} kept" if stats.drafted else ""
+                cells.append(f"{size * (args.batch_new - 1) / seconds:.1f} ({plain / seconds:.2f}x{kept})")
+            same = all(r[1] == results["plain"][0][1] for rows in results.values() for r in rows)
+            print(f"| {size} | {' | '.join(cells)} | {'yes' if same else 'NO'} | "
+                  f"{max(r[3] or 0 for rows in results.values() for r in rows):.0%} |")
+    finally:
+        speculative.DRAFT_MAX_BATCH, speculative.LOOKUP_MAX_BATCH = limits
 
 
 def _run(w, ids, new, sampler, kw, speculative):

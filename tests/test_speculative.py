@@ -12,7 +12,7 @@ from scipy import stats as scipy_stats
 import gpt2numba as g
 from conftest import TINY
 from gpt2numba.decoding import speculative
-from gpt2numba.decoding.sample import _settings
+from gpt2numba.decoding.sample import _batch_steps, _settings
 
 SETTINGS = [{}, {"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 2}, {"min_new_tokens": 4, "eos_token_id": 7},
             {"bad_words_ids": [[3], [9, 10]], "frequency_penalty": 0.5}, {"logit_bias": {5: 2.0, 6: -100.0}}]
@@ -61,10 +61,8 @@ def test_a_batch_gives_plain_greedys_tokens(tiny, other, prompts, new, kind, k, 
 
 
 def test_a_full_batch_does_not_draft(tiny, monkeypatch):
-    """Past max_batch sequences decoding at once, a step checks no drafts (it would cost more than it gives); at
-    or under it, every step drafts. The tokens are plain generate_batch's either way."""
-    from gpt2numba.decoding.sample import _batch_steps
-
+    """Past max_batch sequences decoding at once, a step checks no greedy drafts (they would cost more than they
+    give); at or under it, every step drafts. The tokens are plain generate_batch's either way."""
     monkeypatch.setattr(speculative, "DRAFT_MAX_BATCH", 2)
     prompts = [[1, 2], [3, 4, 5], [6]]
     for batch_size, drafts in ((3, False), (2, True)):
@@ -74,6 +72,16 @@ def test_a_full_batch_does_not_draft(tiny, monkeypatch):
             out[i].append(token)
         assert (counts.drafted > 0) == drafts
         assert out == [list(g.generate(p, tiny, max_new_tokens=10, temperature=0, stop_at_eos=False)) for p in prompts]
+    # sampled sequences draft whatever runs beside them: a seed gives each the same tokens in any batch
+    runs = []
+    for batch_size in (3, 1):
+        counts, out = speculative.Stats(), [[] for _ in prompts]
+        for i, token, *_ in _batch_steps(prompts, tiny, max_new_tokens=10, seed=4, stop_at_eos=False,
+                                         batch_size=batch_size, draft="int8", stats=counts):
+            out[i].append(token)
+        assert counts.drafted > 0
+        runs.append(out)
+    assert runs[0] == runs[1]
 
 
 class Oracle:
@@ -160,10 +168,11 @@ def test_sampling_has_plain_samplings_distribution(setting, draft):
             fork = mc.fork()
             exact[t] = first[t] * sampler.probabilities(g.decode_step(t, w, fork), prompt + [t], len(prompt))
     ask = {"prompt_lookup_num_tokens": 2} if draft == "lookup" else {"draft": draft_w, "num_speculative_tokens": 2}
-    texts = [[] for _ in range(4000)]  # 4000 samples as one batch: sequence j draws from the stream (0, j)
-    for j, token in g.generate_batch([prompt], w, n=4000, max_new_tokens=3, seed=0, stop_at_eos=False,
-                                     batch_size=1000, **setting, **ask):
+    texts, stats = [[] for _ in range(4000)], speculative.Stats()  # 4000 samples as one batch: (0, j) sample j's
+    for j, token, *_ in _batch_steps([prompt], w, n=4000, max_new_tokens=3, seed=0, stop_at_eos=False,
+                                     batch_size=1000, stats=stats, **setting, **ask):
         texts[j].append(token)
+    assert stats.drafted > 1000  # (sampled sequences draft in a batch of any size)
     counts = _joint(lambda j: texts[j], 4000)
     seen = exact > 0
     assert counts[~seen].sum() == 0, "a token the model's settings rule out was drawn"
@@ -269,8 +278,9 @@ def test_bad_settings_are_refused_before_any_work(tiny, ask, message):
 def test_a_draft_of_another_vocabulary_or_the_same_format(tiny):
     with pytest.raises(g.ConfigError, match="draft=.*: the draft's vocabulary has 8 tokens, the model's 512"):
         g.generate([1], tiny, max_new_tokens=2, draft=g.random_weights(dataclasses.replace(TINY, vocab_size=8)))
-    with pytest.raises(g.ConfigError, match="draft='int8' is the model's own format"):
-        g.generate([1], tiny.astype("int8"), max_new_tokens=2, draft="int8")
+    for model, draft in (("int8", "int8"), ("int4", "int8"), ("bfloat16", "bfloat16")):
+        with pytest.raises(g.ConfigError, match=f"draft='{draft}' is no smaller than the model's own {model}"):
+            g.generate([1], tiny.astype(model), max_new_tokens=2, draft=draft)
     for path in ("int2", "/no/such/checkpoint"):
         with pytest.raises(g.CheckpointNotFoundError, match=f"draft='{path}' is neither int4, int8, bfloat16 nor a "
                                                             "checkpoint: checkpoint .* does not exist"):

@@ -211,6 +211,8 @@ def _stream(prompt, w, tokenizer, slide, options, t0) -> int:
     sys.stdout.write("\n")
     prefill_s = (stamps[0] - t_start) if stamps else 0.0
     decode_ms = 1e3 * np.median(np.diff(stamps)) if len(stamps) > 1 else float("nan")
+    if len(stamps) > 1 and ("draft" in options or "prompt_lookup_num_tokens" in options):  # tokens come in bursts
+        decode_ms = 1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1)  # (their median gap is 0): the mean
     print(f"gpt2numba: {len(ids)} prompt tokens, {len(stamps)} new tokens; first token after {prefill_s:.2f} s "
           f"(prefill {len(ids) / max(prefill_s, 1e-9):.0f} tokens/s, loading the compiled kernels included), "
           f"decode {decode_ms:.1f} ms/token; {time.perf_counter() - t0:.1f} s in all", file=sys.stderr)

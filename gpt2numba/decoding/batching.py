@@ -85,6 +85,10 @@ class Sequence:
         """Whether its constraint's text is complete (it then ends), if it has one."""
         return self.matcher is not None and self.matcher.done
 
+    def ends(self, token: int) -> bool:
+        """Whether ``token``, just appended, ends it: a stop id, its last new token, its constraint's text done."""
+        return token in self.stop_ids or self.new_tokens == self.max_new_tokens or self.complete
+
 
 class Batch:
     """At most ``size`` sequences in flight over the weights ``w``, each in a cache of ``kv_dtype``
@@ -112,6 +116,8 @@ class Batch:
     def need(self, ids: list[int], max_new_tokens: int, shared: SharedPrompt | None = None) -> int:
         """The positions a sequence added now may write into its own cache: its prompt but what it will read
         in place (a prefix cache's blocks, or a shared prompt that another sequence runs), and its tokens."""
+        if self.speculation is not None and self.speculation.draft is not None and not self.speculation.shares:
+            return len(ids) + max_new_tokens  # (a draft model with its own cache reads the whole prompt there)
         if shared is not None and (shared.cache is not None or shared.leader is not None):
             return max_new_tokens
         return len(ids) - (self.prefixes.cached(ids) if self.prefixes is not None else 0) + max_new_tokens
@@ -147,7 +153,7 @@ class Batch:
         seq.reserved = need
         seq.matcher = Matcher(constraint) if constraint is not None else None
         if self.speculation is not None and constraint is None:
-            seq.drafter, seq.k = self.speculation.drafter(cache), self.speculation.k or speculative.ADAPTIVE[0]
+            seq.drafter, seq.k = self.speculation.drafter(cache), self.speculation.first_k
         if shared is not None:
             assert shared.uses >= 1
             shared.uses -= 1
@@ -182,9 +188,10 @@ class Batch:
         """Stop a sequence now (its cache goes with it). A leader whose prompt has not run hands it on."""
         if seq in self.paused:
             self.paused.remove(seq)
-            seq.cache = None
+            seq.cache = seq.drafter = None
             return
         self.sequences.remove(seq)
+        seq.drafter = None  # (its draft's cache, and the model's it reads)
         shared = seq.shared
         if shared is not None and shared.leader is seq and seq.cache.length < seq.prompt_len:
             waiting = [s for s in self.sequences if s.shared is shared and not s.feed and s.pending is None]
@@ -249,7 +256,7 @@ class Batch:
             row = row_of[seq]
             token = next_token(seq.sampler, row, seq.ids, seq.rng, seq.prompt_len, seq.matcher)
             seq.ids.append(token)
-            done = token in seq.stop_ids or seq.new_tokens == seq.max_new_tokens or seq.complete
+            done = seq.ends(token)
             if done:
                 self.remove(seq)
             else:
@@ -260,14 +267,19 @@ class Batch:
 
     def _draft(self, rows: dict[Sequence, int]) -> dict:
         """The drafts of the decoding sequences that speculate (batched: speculative.propose_all), each fed after
-        its last token now; those that drafted none are left out. None while more sequences decode than the
-        speculation's max_batch."""
-        decoding = [s for s in rows if s.new_tokens > 0]
-        if self.speculation is None or len(decoding) > self.speculation.max_batch:
+        its last token now; those that drafted none are left out. While more sequences decode than the
+        speculation's max_batch, only those that sample draft: a greedy sequence's tokens are the same either way,
+        a sampled one's would then depend on what runs beside it. At most MAX_DRAFT drafted rows a step in all."""
+        if self.speculation is None:
             return {}
-        seqs = [s for s in decoding if s.drafter is not None]
+        decoding = [s for s in rows if s.new_tokens > 0 and s.drafter is not None]
+        seqs = decoding if len(decoding) <= self.speculation.max_batch else [
+            s for s in decoding if getattr(s.sampler, "temperature", 0) != 0]
+        if not seqs:
+            return {}
+        each = max(1, speculative.MAX_DRAFT // len(seqs))
         started = time.perf_counter()
-        drafts = speculative.propose_all([(s.drafter, s.ids, min(s.k, s.max_new_tokens - s.new_tokens - 1),
+        drafts = speculative.propose_all([(s.drafter, s.ids, min(s.k, each, s.max_new_tokens - s.new_tokens - 1),
                                            s.sampler, s.rng, s.prompt_len) for s in seqs])
         self.stats.draft_seconds += time.perf_counter() - started
         drafts = {s: d for s, d in zip(seqs, drafts) if d[0]}
@@ -294,7 +306,7 @@ class Batch:
         out = []
         for token, row in zip(new, block):
             seq.ids.append(token)
-            done = token in seq.stop_ids or seq.new_tokens == seq.max_new_tokens
+            done = seq.ends(token)
             out.append((seq, token, done, row))
             if done:
                 self.remove(seq)

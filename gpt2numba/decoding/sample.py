@@ -108,11 +108,8 @@ class Sampler:
         if self.temperature == 0:
             p[np.argmax(z)] = 1.0
             return p
-        cut = self.top_k is not None or self.top_p is not None or self.min_p or self.typical_p is not None
-        ranked = z.copy() if self.top_k is not None else None
-        with np.errstate(over="ignore"):
-            z = (z - z.max()) / self.temperature
-        candidates = self.candidates(z, ranked) if cut else slice(None)
+        z, candidates = self._tempered(z)
+        candidates = slice(None) if candidates is None else candidates
         p[candidates] = _softmax(z[candidates])
         return p
 
@@ -131,15 +128,20 @@ class Sampler:
         """The index in z (processed logits, float64) of the token chosen: greedy, or sampled after the cuts."""
         if self.temperature == 0:
             return int(np.argmax(z))
+        z, candidates = self._tempered(z)
+        weights = np.exp(z[candidates] if candidates is not None else z, out=None if candidates is not None else z)
+        cumulative = np.cumsum(weights, out=weights)  # (z <= 0: exp(z) <= 1, unnormalised)
+        pick = min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")), len(weights) - 1)
+        return int(candidates[pick]) if candidates is not None else pick
+
+    def _tempered(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(z - max over the temperature, the ids the cuts keep or None when none is set) for processed logits z
+        (float64) at a temperature above 0: what _pick samples from and probabilities gives."""
         cut = self.top_k is not None or self.top_p is not None or self.min_p or self.typical_p is not None
         ranked = z.copy() if self.top_k is not None else None  # top_k ranks these: see the class's docstring
         with np.errstate(over="ignore"):  # <= 0: a tiny temperature gives -inf, never nan
             z = (z - z.max()) / self.temperature
-        candidates = self.candidates(z, ranked) if cut else None  # (with no cut, no index array: it cost 0.3 ms)
-        weights = np.exp(z[candidates] if cut else z, out=None if cut else z)  # z <= 0: exp(z) <= 1, unnormalised
-        cumulative = np.cumsum(weights, out=weights)
-        pick = min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")), len(weights) - 1)
-        return int(candidates[pick]) if cut else pick
+        return z, self.candidates(z, ranked) if cut else None  # (with no cut, no index array: it cost 0.3 ms)
 
     def candidates(self, z: np.ndarray, ranked: np.ndarray | None = None) -> np.ndarray:
         """Ids allowed by top_k, top_p, min_p and typical_p for tempered logits z: most likely first, or all
@@ -226,9 +228,9 @@ def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, seed: int | Non
     checks.weights(w)
     cfg = w.config
     sampler = _settings(sampling, cfg.vocab_size, max_new_tokens, seed)
-    spec = speculative.plan(w, draft, num_speculative_tokens, prompt_lookup_num_tokens, max_matching_ngram_size)
+    speculation = (draft, num_speculative_tokens, prompt_lookup_num_tokens, max_matching_ngram_size)
     constrained = any(c is not None for c in (json_schema, regex, choice, grammar))
-    if spec is not None and (slide or constrained):
+    if speculative.check(*speculation) is not None and (slide or constrained):
         raise ConfigError(f"speculative decoding does not take {'slide' if slide else 'a constraint'} yet")
     constraint = _constraint(json_schema=json_schema, regex=regex, choice=choice, grammar=grammar,
                              tokenizer=tokenizer, vocab_size=cfg.vocab_size)
@@ -248,6 +250,7 @@ def generate(prompt_ids, w: GPT2Weights, *, max_new_tokens: int, seed: int | Non
         raise ConfigError("generate needs a cache of the weights' config with max_len = n_positions")
     elif kv_dtype is not None and cache.dtype != kv_dtype:
         raise ConfigError(f"kv_dtype={kv_dtype!r} but the cache given is {cache.dtype}: give one or the other")
+    spec = speculative.plan(w, *speculation)  # (last: it may make the draft's weights, or load them)
     rng = np.random.default_rng(seed)
     if spec is not None:
         return speculative.generate(ids, w, cache, sampler, max_new_tokens, rng, stop_at_eos, spec)
@@ -332,9 +335,10 @@ def _batch_steps(prompts, w, *, max_new_tokens, seed=None, stop_at_eos=True, bat
     prompts = checks.prompts(prompts, cfg, max_new_tokens)
     each = per_sequence(len(prompts), constraints, tokenizer, cfg.vocab_size, json_schema=json_schema, regex=regex,
                         choice=choice, grammar=grammar)
-    spec = speculative.plan(w, draft, num_speculative_tokens, prompt_lookup_num_tokens, max_matching_ngram_size)
-    if spec is not None and any(c is not None for c in each):
+    speculation = (draft, num_speculative_tokens, prompt_lookup_num_tokens, max_matching_ngram_size)
+    if speculative.check(*speculation) is not None and any(c is not None for c in each):
         raise ConfigError("speculative decoding does not take a constraint yet")
+    spec = speculative.plan(w, *speculation)  # (last: it may make the draft's weights, or load them)
     checked = [ids for ids in prompts for _ in range(n)]
     each = [c for c in each for _ in range(n)]
     slots = min(batch_size or len(checked), len(checked))
@@ -358,6 +362,8 @@ def _generate_batch(prompts, w, sampler, max_new_tokens, rngs, stop_at_eos, slot
                                stop_at_eos=stop_at_eos, shared=shared[i], constraint=each[i])] = i
         for seq, token, done, row in batch.step():
             yield index_of[seq], token, done, row
+            if done:  # (its caches go with it)
+                del index_of[seq]
 
 
 def _shared_prompts(prompts: list[list[int]]) -> list[SharedPrompt | None]:

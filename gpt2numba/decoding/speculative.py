@@ -47,7 +47,8 @@ ADAPTIVE = (4, 1, 12)  # num_speculative_tokens=None: k starts at 4, +2 when all
 DRAFT_MAX_BATCH = 4
 LOOKUP_MAX_BATCH = 16
 
-_compact: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # weights -> {dtype: the same in dtype}
+_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # weights -> {draft as given: its weights}
+_BYTES = {"int4": 0.5, "int8": 1, "bfloat16": 2, "float32": 4}  # a matrix's bytes a weight, by format
 
 
 @dataclass
@@ -84,6 +85,11 @@ class Speculation:
         if self.draft is None:
             return 0
         return ModelCache(self.draft.config, 1, kv_dtype if self.shares else "float32").nbytes
+
+    @property
+    def first_k(self) -> int:
+        """The tokens a sequence drafts at first: k, or adapted from ADAPTIVE's start."""
+        return self.k or ADAPTIVE[0]
 
     @property
     def max_batch(self) -> int:
@@ -152,13 +158,16 @@ def draft_weights(w: GPT2Weights, draft, label: str | None = None) -> GPT2Weight
     """The draft model's weights for ``draft`` (as plan takes it, checked); ``label`` names it in an error
     (default: draft=...)."""
     label = label or f"draft={str(draft)!r}"
+    made = _made.setdefault(w, {})  # (a checkpoint by its path: Ray's workers ask once a block)
+    key = str(draft) if isinstance(draft, (str, PathLike)) else None
+    if key in made:
+        return made[key]
     if isinstance(draft, str) and draft in COMPACT_DRAFTS:
-        if draft == w.dtype:
-            raise ConfigError(f"{label} is the model's own format: a draft is worth it only cheaper")
-        made = _compact.setdefault(w, {})
-        if draft not in made:
-            made[draft] = w.astype(draft)
-        return made[draft]
+        if _BYTES[draft] >= _BYTES[w.dtype]:
+            raise ConfigError(f"{label} is no smaller than the model's own {w.dtype} weights: a draft is worth it "
+                              f"only cheaper (int4 < int8 < bfloat16 < float32)")
+        made[key] = w.astype(draft)
+        return made[key]
     if isinstance(draft, (str, PathLike)):
         try:
             draft = load_weights(draft)
@@ -168,6 +177,8 @@ def draft_weights(w: GPT2Weights, draft, label: str | None = None) -> GPT2Weight
     if draft.config.vocab_size != w.config.vocab_size:
         raise ConfigError(f"{label}: the draft's vocabulary has {draft.config.vocab_size} tokens, the model's "
                           f"{w.config.vocab_size}: a draft must share the model's tokens")
+    if key is not None:
+        made[key] = draft
     return draft
 
 
@@ -207,7 +218,7 @@ def propose_all(jobs: list[tuple]) -> list[tuple[list[int], list | None]]:
     """The drafts of several sequences: jobs (drafter, ids, k, sampler, rng, prompt_len) give each (up to k
     tokens, the draft's distribution for each or None when greedy). Model drafts (of one weights) draft
     together, one pass for each token over all of them."""
-    results: list[tuple[list[int], list | None]] = [([], None)] * len(jobs)
+    results: list[tuple[list[int], list | None]] = [([], None) for _ in jobs]
     models = []  # (job, the tokens it feeds first, k)
     for i, (drafter, ids, k, sampler, rng, prompt_len) in enumerate(jobs):
         if isinstance(drafter, ModelDraft):
@@ -236,11 +247,12 @@ def propose_all(jobs: list[tuple]) -> list[tuple[list[int], list | None]]:
                 tokens.append(_draw(qs[-1], rng))
             if len(tokens) < wanted[i]:
                 going.append(i)
-                drafter.fed.append(tokens[-1])
         if not going:
             break
         active = going
         logits = decode_batch([drafted[i][0][-1] for i in active], w, [jobs[i][0].cache for i in active])
+        for i in active:  # (once its cache holds them)
+            jobs[i][0].fed.append(drafted[i][0][-1])
     for i, (tokens, qs) in drafted.items():
         results[i] = (tokens, qs if qs else None)
     return results
@@ -277,7 +289,7 @@ def generate(ids: list[int], w: GPT2Weights, mc: ModelCache, sampler, max_new_to
         return
     if len(ids) > 1:  # every prompt token but the last, which goes with the first drafts
         forward_pass([checked_prompt(ids[:-1], w, mc, "")], w, [mc], lambda h, n_chunks: None)
-    prompt_len, drafter, k = len(ids), spec.drafter(mc), spec.k or ADAPTIVE[0]
+    prompt_len, drafter, k = len(ids), spec.drafter(mc), spec.first_k
     eos = sampler.processors.eos_token_id
     produced = 0
     while True:

@@ -232,7 +232,10 @@ def forward_pass(seqs: list[np.ndarray], w: GPT2Weights, caches: list[ModelCache
         wrong = np.flatnonzero((written != (pos0 + counts)[:, None]).any(axis=0))
         if wrong.size:
             raise GPT2NumbaError(f"internal error: layers {wrong.tolist()} did not write their cache rows")
-        rows = x[_head_rows(row0, every_row)] if isinstance(every_row, list) else x if every_row else x[row0[1:] - 1]
+        if isinstance(every_row, list):
+            rows = x[_head_rows(row0, every_row)]
+        else:
+            rows = x if every_row else x[row0[1:] - 1]
         h = np.empty_like(rows)  # (R, C)
         _layernorm(rows, w.ln_f_g, w.ln_f_b, eps, h)
         result = head(h, n_chunks)

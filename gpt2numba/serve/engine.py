@@ -143,8 +143,7 @@ class Engine:
         kv_dtype, prefix_bytes = config.kv_dtype, int(config.prefix_cache_mb * 2**20)
         self.prefixes = PrefixCache(w.config, prefix_bytes, kv_dtype) if config.prefix_cache_mb else None
         self.speculation = spec = speculative.plan(w, config.draft, config.num_speculative_tokens, config.prompt_lookup)
-        # bytes of one position's keys and values, and of its draft's
-        position = ModelCache(w.config, 1, kv_dtype).nbytes + (spec.position_bytes(kv_dtype) if spec else 0)
+        position = ModelCache(w.config, 1, kv_dtype).nbytes + (spec.position_bytes(kv_dtype) if spec else 0)  # K, V
         self.max_positions = int(config.kv_cache_mb * 2**20) // position if config.kv_cache_mb else None
         self.batch = Batch(w, config.max_batch, self.prefixes, kv_dtype, self.max_positions, spec)  # in kv_dtype
         self.logprobs = Logprobs(w, tokenizer, kv_dtype)
@@ -249,6 +248,7 @@ class Engine:
         sequence = self.batch.add(ids, max_new_tokens=3, sampler=Sampler(0.0), rng=np.random.default_rng(0))  # drafts 1
         while sequence in self.batch.sequences:
             self.batch.step()
+        self.batch.stats = speculative.Stats()  # (/metrics counts the requests' drafts alone)
 
     def _run(self) -> None:
         try:
@@ -290,7 +290,7 @@ class Engine:
             return True
         delivered = 0
         for sequence, token, done, row in steps:
-            if sequence in self._owner:  # (not when a stop string ended it at an earlier token of this step)
+            if sequence in self._owner:  # (not one a stop string ended at an earlier token of this step)
                 self._on_token(*self._owner[sequence], token, done, row)
                 delivered += 1
         self.metrics.step(delivered)
