@@ -267,13 +267,14 @@ class Batch:
 
     def _draft(self, rows: dict[Sequence, int]) -> dict:
         """The drafts of the decoding sequences that speculate (batched: speculative.propose_all), each fed after
-        its last token now; those that drafted none are left out. While more sequences decode than the
-        speculation's max_batch, only those that sample draft: a greedy sequence's tokens are the same either way,
-        a sampled one's would then depend on what runs beside it. At most MAX_DRAFT drafted rows a step in all."""
+        its last token now; those that drafted none are left out. While more sequences are in flight than the
+        speculation's max_batch (prompts being prefilled count: a longer step holds them up), only those that sample
+        draft: a greedy sequence's tokens are the same either way, a sampled one's would then depend on what runs
+        beside it. At most MAX_DRAFT drafted rows a step in all."""
         if self.speculation is None:
             return {}
         decoding = [s for s in rows if s.new_tokens > 0 and s.drafter is not None]
-        seqs = decoding if len(decoding) <= self.speculation.max_batch else [
+        seqs = decoding if len(self.sequences) <= self.speculation.max_batch else [
             s for s in decoding if getattr(s.sampler, "temperature", 0) != 0]
         if not seqs:
             return {}

@@ -39,13 +39,14 @@ SETTINGS = ("draft", "num_speculative_tokens", "prompt_lookup_num_tokens", "max_
 COMPACT_DRAFTS = ("int4", "int8", "bfloat16")  # draft=<one of these>: the model's own weights in that format
 MAX_DRAFT = 64  # num_speculative_tokens and prompt_lookup_num_tokens at most (a pass over 65 rows)
 ADAPTIVE = (4, 1, 12)  # num_speculative_tokens=None: k starts at 4, +2 when all are kept, -1 when not, in [1, 12]
-# A batch drafts only while at most this many sequences decode (vLLM's speculative_disable_by_batch_size): past
-# it a step is arithmetic more than a read of the weights, and checking drafts costs more than it gives. GPT-2
-# large, float32, 2 threads, AMD EPYC Zen 4, decoding alone (docs/speculative.md): int4 drafts 1.75x with 1
-# sequence, 1.42x with 2, 1.14x with 4, 0.90x with 8; prompt lookup (no draft model) 2.66x with 2, 2.06x with 4,
-# 1.45x with 8, 1.08x with 16.
+# A batch drafts for its greedy sequences only while at most this many are in flight (vLLM's
+# speculative_disable_by_batch_size): past it a step is arithmetic more than a read of the weights, and checking
+# drafts costs more than it gives. GPT-2 large, float32, 2 threads, AMD EPYC Zen 4, decoding alone
+# (docs/speculative.md): int4 drafts (k = 2) 1.37x with 1 sequence, 1.44x with 2, 1.23x with 4, 0.80x with 8;
+# prompt lookup (no draft model) 2.44x, 2.85x, 2.15x, 1.50x with 8, 1.11x with 16, and 0.94x in the server under
+# 16 streams (their prompts' prefill held up by the longer steps).
 DRAFT_MAX_BATCH = 4
-LOOKUP_MAX_BATCH = 16
+LOOKUP_MAX_BATCH = 8
 
 _made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # weights -> {draft as given: its weights}
 _BYTES = {"int4": 0.5, "int8": 1, "bfloat16": 2, "float32": 4}  # a matrix's bytes a weight, by format
