@@ -270,7 +270,8 @@ class Batch:
         its last token now; those that drafted none are left out. While more sequences are in flight than the
         speculation's max_batch (prompts being prefilled count: a longer step holds them up), only those that sample
         draft: a greedy sequence's tokens are the same either way, a sampled one's would then depend on what runs
-        beside it. At most MAX_DRAFT drafted rows a step in all."""
+        beside it. The greedy ones share MAX_DRAFT drafted rows a step (a sampled one drafts its own k, which only
+        its own history sets)."""
         if self.speculation is None:
             return {}
         decoding = [s for s in rows if s.new_tokens > 0 and s.drafter is not None]
@@ -278,9 +279,10 @@ class Batch:
             s for s in decoding if getattr(s.sampler, "temperature", 0) != 0]
         if not seqs:
             return {}
-        each = max(1, speculative.MAX_DRAFT // len(seqs))
+        share = max(1, speculative.MAX_DRAFT // len(seqs))
+        cap = {s: share if getattr(s.sampler, "temperature", 0) == 0 else s.k for s in seqs}
         started = time.perf_counter()
-        drafts = speculative.propose_all([(s.drafter, s.ids, min(s.k, each, s.max_new_tokens - s.new_tokens - 1),
+        drafts = speculative.propose_all([(s.drafter, s.ids, min(s.k, cap[s], s.max_new_tokens - s.new_tokens - 1),
                                            s.sampler, s.rng, s.prompt_len) for s in seqs])
         self.stats.draft_seconds += time.perf_counter() - started
         drafts = {s: d for s, d in zip(seqs, drafts) if d[0]}
@@ -294,10 +296,11 @@ class Batch:
         sequence's rows (after its last token and after each draft), in that order, valid until the next step."""
         order = [s for s in fed if s not in drafts] + list(drafts)
         R = len(order) - len(drafts) + sum(rows[s] for s in drafts)
-        if self._logits.shape[0] < R:
+        if self._logits.shape[0] < R <= self.size * (speculative.ADAPTIVE[2] + 1):  # kept (past it: this step's)
             self._logits = np.empty((R, self._logits.shape[1]), np.float32)
+        out = self._logits[:R] if R <= self._logits.shape[0] else None
         return prefill_batch([s.feed[: rows[s]] for s in order], self.w, [s.cache for s in order],
-                             out=self._logits[:R], every_row=[s in drafts for s in order] if drafts else None)
+                             out=out, every_row=[s in drafts for s in order] if drafts else None)
 
     def _settle(self, seq: Sequence, block: np.ndarray, drafted: list[int], qs) -> list:
         """A drafting sequence's step: the drafts its model keeps and its own token (speculative.settle), each
