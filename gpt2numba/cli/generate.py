@@ -170,15 +170,18 @@ def structured(args, tokenizer, vocab) -> dict:
 
 def speculation(args, w) -> dict:
     """The speculative decoding flags given, as the library's arguments; --draft's weights made or loaded here
-    (not on Ray, whose workers hold the weights), so that an error names the flag."""
+    first (not on Ray, whose workers hold the weights), so that an error names the flag; the library keeps them
+    for the call that follows, by the name or path given (a compact format's name: its draft reads the model's
+    cache)."""
     from ..decoding import speculative
 
     options = {"num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_num_tokens": args.prompt_lookup,
                "max_matching_ngram_size": args.max_matching_ngram_size}
     options = {name: value for name, value in options.items() if value is not None}
-    if args.draft is not None:  # (a compact format by name: the library's draft then reads the model's cache)
-        made = None if w is None else speculative.draft_weights(w, args.draft, f"--draft {args.draft}")
-        options["draft"] = args.draft if w is None or args.draft in speculative.COMPACT_DRAFTS else made
+    if args.draft is not None:
+        if w is not None:
+            speculative.draft_weights(w, args.draft, f"--draft {args.draft}")
+        options["draft"] = args.draft
     return options
 
 

@@ -275,12 +275,13 @@ class Batch:
         if self.speculation is None:
             return {}
         decoding = [s for s in rows if s.new_tokens > 0 and s.drafter is not None]
+        greedy = {s for s in decoding if getattr(s.sampler, "temperature", 0) == 0}
         seqs = decoding if len(self.sequences) <= self.speculation.max_batch else [
-            s for s in decoding if getattr(s.sampler, "temperature", 0) != 0]
+            s for s in decoding if s not in greedy]
         if not seqs:
             return {}
         share = max(1, speculative.MAX_DRAFT // len(seqs))
-        cap = {s: share if getattr(s.sampler, "temperature", 0) == 0 else s.k for s in seqs}
+        cap = {s: share if s in greedy else s.k for s in seqs}
         started = time.perf_counter()
         drafts = speculative.propose_all([(s.drafter, s.ids, min(s.k, cap[s], s.max_new_tokens - s.new_tokens - 1),
                                            s.sampler, s.rng, s.prompt_len) for s in seqs])
