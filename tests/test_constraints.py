@@ -236,6 +236,17 @@ def test_beams_under_a_constraint(w, tok):
     assert found and all(text_of(h.ids, tok) in options and h.score > -1e8 for h in found)
 
 
+@pytest.mark.parametrize("kind", [{"choice": ["A", "B"]}, {"regex": "[ab]"}])
+def test_a_beam_ruled_out_after_its_text_ended_never_comes_back(w, tok, kind):
+    """Two one-token texts, four beams: each text ends its beam at the first step, and the beams run on at -_FAR
+    (nothing else is left). With early_stopping "never" the search goes on (its bound is at max_new_tokens), and
+    those beams' next tokens end them again: a beam ruled out must not come back as a hypothesis (a third and
+    fourth of score near -_FAR / length, when _Beams.step keeps whatever is above -inf)."""
+    found = g.beam_search(tok.encode("x"), w, num_beams=4, max_new_tokens=6, num_return_sequences=4,
+                          early_stopping="never", **kind)
+    assert len(found) == 2 and all(len(h.ids) == 1 and h.score > -1e8 for h in found), found
+
+
 # --- what a caller can get wrong ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind, value, message", [
