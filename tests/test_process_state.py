@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from gpt2numba.cpu import blas
 from gpt2numba.model import products
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,24 +182,48 @@ def test_overlapping_passes_put_blas_threads_back():
     as they were: one limit for all passes, lifted by the last to leave."""
     from threadpoolctl import threadpool_info
 
-    def blas():
+    def counts():
         return sorted((i["filepath"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas")
 
     from threadpoolctl import threadpool_limits
 
-    products._blas_controller()  # (loads SciPy's BLAS, the one Numba calls, before the first reading)
+    blas._thread_counts()  # (loads SciPy's BLAS, the one Numba calls, before the first reading)
     with threadpool_limits(limits=2, user_api="blas"):  # (from 2, so that 1 left behind shows)
-        original = blas()
+        original = counts()
         assert original and all(n == 2 for _, n in original)
         a, b = products.one_blas_thread(), products.one_blas_thread()
         a.__enter__()
         b.__enter__()
-        assert all(n == 1 for _, n in blas())
+        assert all(n == 1 for _, n in counts())
         a.__exit__(None, None, None)
-        assert all(n == 1 for _, n in blas()), "a pass still runs: BLAS stays at one thread"
+        assert all(n == 1 for _, n in counts()), "a pass still runs: BLAS stays at one thread"
         b.__exit__(None, None, None)
-        assert blas() == original
+        assert counts() == original
 
+
+def test_a_pass_on_another_thread_runs_blas_on_one_thread():
+    """threadpoolctl 3.8 lets only the first Python thread that limited OpenBLAS change its count; a pass run on
+    another thread (the server's engine, a thread pool) still has every BLAS at one thread, and puts it back.
+    (Before, its BLAS ran on all its threads there: other bits on AVX2, where a few rows already go to BLAS.)"""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    def counts():
+        return sorted((i["filepath"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas")
+
+    blas._thread_counts()  # (loads SciPy's BLAS first)
+    with threadpool_limits(limits=2, user_api="blas"):  # this thread takes control of OpenBLAS (threadpoolctl 3.8)
+        original, seen = counts(), {}
+
+        def run():
+            with products.one_blas_thread():
+                seen["inside"] = counts()
+            seen["after"] = counts()
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        assert original and all(n == 2 for _, n in original)
+        assert all(n == 1 for _, n in seen["inside"]), seen
+        assert seen["after"] == original
 
 _WORKQUEUE_THREADS = """
 import concurrent.futures, sys

@@ -14,9 +14,14 @@ Its callers: _linear (float32, and bfloat16 widened), the heads, and attention o
 compact cache or over tiles of queries.
 
 Private and unchecked, as the kernels: callers pass float32 arrays whose rows are contiguous.
+
+one_thread() limits every BLAS library to one thread while passes run (our threads are the parallelism), from
+whichever thread a pass runs on.
 """
 
 import ctypes
+import functools
+import itertools
 
 import llvmlite.binding as ll
 import numpy as np
@@ -57,6 +62,65 @@ def _fallback_gemv(order, trans, M, N, alpha, A, lda, X, incx, beta, Y, incy):
         carray(Y, N)[:] = np.dot(carray(X, M), a)
     else:
         carray(Y, M)[:] = np.dot(a, carray(X, N))
+
+
+def one_thread():
+    """Every BLAS library loaded limited to one thread; returns a function that puts each count back as found.
+
+    A pthreads OpenBLAS (NumPy's and SciPy's wheels) keeps one count for the process, which threadpoolctl
+    3.8 lets only the first Python thread that set it change: another thread's limit is ignored without a
+    word, so a pass run from a second thread (the server's engine, a thread pool) called BLAS with all its
+    threads, beside ours and with other bits. Those counts are set here through OpenBLAS's own functions;
+    every other library (MKL, BLIS, an OpenMP OpenBLAS) through threadpoolctl, whose limits hold from any
+    thread for them.
+    """
+    counts, others = _thread_counts()
+    before = [get() for get, _ in counts]
+    for _, put in counts:
+        put(1)
+    limiter = others.limit(limits=1) if others is not None else None
+
+    def restore():
+        for (_, put), n in zip(counts, before):
+            put(n)
+        if limiter is not None:
+            limiter.restore_original_limits()
+    return restore
+
+
+@functools.lru_cache(maxsize=1)
+def _thread_counts():
+    """([(get, set) of each pthreads OpenBLAS's thread count], threadpoolctl's controller of the other BLAS
+    libraries or None), with SciPy's BLAS, which Numba's np.dot calls, loaded first."""
+    import scipy.linalg.cython_blas  # noqa: F401
+    from threadpoolctl import ThreadpoolController
+
+    blas = ThreadpoolController().select(user_api="blas")
+    counts, others = [], []
+    for info in blas.info():
+        pair = _openblas_count(info) if info.get("threading_layer") == "pthreads" else None
+        if pair is None:
+            others.append(info["filepath"])
+        else:
+            counts.append(pair)
+    return counts, blas.select(filepath=others) if others else None
+
+
+def _openblas_count(info: dict):
+    """(get, set) of an OpenBLAS's process-wide thread count, or None where its functions are not found."""
+    if info.get("internal_api") != "openblas":
+        return None
+    try:
+        handle = ctypes.CDLL(info["filepath"])
+    except OSError:
+        return None
+    for prefix, suffix in itertools.product(("", "scipy_"), ("", "64_", "_64")):
+        names = [f"{prefix}openblas_{verb}_num_threads{suffix}" for verb in ("get", "set")]
+        if all(hasattr(handle, name) for name in names):
+            get, put = (getattr(handle, name) for name in names)
+            get.restype, put.argtypes = ctypes.c_int, [ctypes.c_int]
+            return get, put
+    return None
 
 
 def _numpy_blas():

@@ -14,14 +14,13 @@ without AVX512_BF16, through BLAS as bfloat16 weights' many rows go, on the roun
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import weakref
 
 import numba
 import numpy as np
 
-from ..cpu import dispatch, inttiles, paneltiles
+from ..cpu import blas, dispatch, inttiles, paneltiles
 from ..cpu.intkernels import _int_matmul
 from ..cpu.attention import attend_width, pairs_width
 from ..cpu.matkernels import _expand_bf16, _head, _linear, _round_bf16, _rows_product
@@ -233,16 +232,8 @@ def workspace(w: GPT2Weights, rows: int, threads: int) -> Workspace:
     return work
 
 
-@functools.lru_cache(maxsize=1)
-def _blas_controller():
-    import scipy.linalg.cython_blas  # noqa: F401  (the BLAS Numba calls; load it before looking)
-    from threadpoolctl import ThreadpoolController
-
-    return ThreadpoolController()
-
-
 _blas_lock = threading.Lock()
-_blas_limit: list = []  # [threadpoolctl's limiter, passes inside it] while any pass runs
+_blas_limit: list = []  # [the function that lifts the limit, passes inside it] while any pass runs
 
 
 @contextlib.contextmanager
@@ -254,7 +245,7 @@ def one_blas_thread():
     limit of 1 as the original."""
     with _blas_lock:
         if not _blas_limit:
-            _blas_limit[:] = [_blas_controller().limit(limits=1, user_api="blas"), 0]
+            _blas_limit[:] = [blas.one_thread(), 0]
         _blas_limit[1] += 1
     try:
         yield
@@ -262,6 +253,6 @@ def one_blas_thread():
         with _blas_lock:
             _blas_limit[1] -= 1
             if not _blas_limit[1]:
-                limiter = _blas_limit[0]
+                restore = _blas_limit[0]
                 _blas_limit.clear()  # (first: a failed restore must not leave the count behind)
-                limiter.restore_original_limits()
+                restore()
