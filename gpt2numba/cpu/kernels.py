@@ -77,7 +77,8 @@ def _row_max(x):
     """max(x) of float32 x (n,), n >= 1, as np.max gives it (a NaN too, unless its sign bit is set; +0.0 for a
     max of zeros of both signs, which np.max may give as -0.0), in a loop the compiler vectorises: each float's
     bits mapped to an int32 that orders as the floats do (a negative's magnitude bits flipped), an integer
-    max, its bits mapped back. (LLVM does not vectorise a float max without no-nans: docs/performance.md.)"""
+    max, its bits mapped back. (LLVM does not vectorise a float max without no-nans: docs/performance-history.md,
+    "bfloat16 activations".)"""
     peak = np.int32(-(2**31))
     for t in range(x.size):
         b = np.int32(_as_uint32(x[t]))

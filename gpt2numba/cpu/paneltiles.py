@@ -126,7 +126,7 @@ def _transpose_block(typingctx, w, first, h0, pairs, at):
 @intrinsic
 def _pair_rows(typingctx, w, r, first, pairs, at):
     """pairs[at + i] = w[r, first + i] | w[r + 1, first + i] << 16 for i < LANES: two loads, two widenings, a
-    shift, an or and a store. (The same as a loop in Numba is several times slower, docs/performance.md: the
+    shift, an or and a store. (The same as a loop in Numba is several times slower, docs/performance-history.md: the
     compiler cannot tell pairs and w apart.) w: uint16 (K, N), C order; pairs: uint32, C order."""
     if not (_is_c(w, types.uint16, 2) and _is_c(pairs, types.uint32, 1)):
         return None

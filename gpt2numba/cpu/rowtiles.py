@@ -9,7 +9,7 @@ so that a weight loaded from memory serves TILE_ROWS rows and an input TILE_OUTP
 sums are reduced across their lanes once, at the end. A thread walks its span of W's rows a tile of
 outputs at a time and, for each, every tile of rows: W's rows stream from memory once, in order (the
 next tile's fetched while this one's are multiplied), and x's rows stay in cache. Measured in
-docs/performance.md, "A few rows in tiles".
+docs/performance-history.md, "A few rows in tiles".
 
 x may be bfloat16 bits too (bfloat16 activations, with W's bfloat16): with AVX512_BF16 a step is then
 2 x LANES inputs, one vdpbf16ps a pair of rows (it multiplies 32 pairs of bfloat16 into 16 float32

@@ -1,7 +1,8 @@
 """@njit kernels of a beam search step: the rows' log-softmax, and the k best scores over many rows.
 
 One pass each over (beams, vocab), the exponentials vectorised (kernels._exp_inplace): a step of 4 beams
-of GPT-2's vocabulary costs under a millisecond (docs/performance.md). No validation here: beams.py checks.
+of GPT-2's vocabulary costs under a millisecond (docs/performance-history.md, "Beam search"). No validation
+here: beams.py checks.
 """
 
 from __future__ import annotations
