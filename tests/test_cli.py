@@ -13,9 +13,9 @@ from checkpoints import write_dir
 from conftest import TINY, TINY_GPT2
 
 
-def run(*args, env=None):
+def run(*args, env=None, cwd=None):
     return subprocess.run([sys.executable, "-m", "gpt2numba", *args], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, **(env or {})})
+                          timeout=600, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 def test_check_on_a_checkpoint(tmp_path):
@@ -559,3 +559,78 @@ def test_generate_with_a_draft_gives_the_plain_tokens(gpt2_vocab, tmp_path):
     r = run("generate", "Hi", "--model", path, "--draft", str(tmp_path / "nothing"))
     assert r.returncode == 1 and f"--draft {tmp_path / 'nothing'} is neither int4, int8, bfloat16 nor a checkpoint" \
         in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# --- what a newcomer tripped on (issue 70): paths as typed, options that took the next word, summaries of no work ---
+
+def test_a_path_is_named_as_typed(tmp_path, gpt2_vocab):
+    """Every message that names a path names it as the user typed it: './nope', not 'nope' (pathlib drops a
+    leading ./ and a trailing /), and a file inside a checkpoint directory as that directory was typed."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "model.safetensors").write_text("not a checkpoint")
+    (tmp_path / "bad_config").mkdir()
+    (tmp_path / "bad_config" / "model.safetensors").write_text("")
+    (tmp_path / "bad_config" / "config.json").write_text("{not json")
+    (tmp_path / "blank.txt").write_text("\n")
+    model = ["--model", gpt2_vocab[0]]
+    for argv, said in [
+        (["generate", "Hi", "--model", "./nope"], "checkpoint './nope' does not exist"),
+        (["check", "--model", "./empty/"], "checkpoint directory './empty/' has no model.safetensors"),
+        (["score", "--model", "./broken", "blank.txt"], "'./broken/model.safetensors' is not a readable safetensors"),
+        (["generate", "Hi", "--model", "./bad_config"], "'./bad_config/config.json' is not a readable JSON file"),
+        (["generate", "--prompts-file", "./none.txt"], "No such file or directory: './none.txt'"),
+        (["generate", "--prompts-file", "./blank.txt"], "./blank.txt: no prompts in the file"),
+        (["generate", "Hi", *model, "--json-schema", "./none.json"], "--json-schema ./none.json: no such file"),
+        (["generate", "Hi", *model, "--draft", "./nope"], "--draft ./nope is neither int4, int8, bfloat16 nor a "
+                                                           "checkpoint: checkpoint './nope' does not exist"),
+    ]:
+        r = run(*argv, cwd=tmp_path)
+        assert r.returncode == 1 and said in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+
+
+def test_an_option_with_an_optional_value_takes_no_file_or_prompt(tmp_path, gpt2_vocab):
+    """--ray [ADDRESS] takes the word after it only when it is an address (auto, HOST:PORT, ray://...): a FILE or
+    PROMPT stays one (`score --ray corpus.txt` said "--ray reads files, not stdin", the file taken for the
+    cluster); --eos-token-id ID [ID ...] stops before a word that is no number. Refused before any Ray runs."""
+    (tmp_path / "corpus.txt").write_text("Hello there")
+    r = run("score", "--ray", "corpus.txt", "--kv-dtype", "float16", cwd=tmp_path)
+    assert r.returncode == 1 and "--kv-dtype goes without --ray" in r.stderr, r.stderr  # the file is FILE
+    r = run("generate", "--ray", "Hello")
+    assert r.returncode == 2 and "--ray goes with --prompts-file" in r.stderr, r.stderr  # "Hello" is PROMPT
+    r = run("generate", "--eos-token-id", "50256", "Hello", "--model", gpt2_vocab[0], "--max-new-tokens", "2")
+    assert r.returncode == 0 and r.stdout.startswith("Hello"), r.stderr
+    from gpt2numba.cli.commands import _unswallowed, build_parser  # (the words as the command line reads them)
+
+    parse = build_parser().parse_args
+    for argv, ray, files in [(["--ray", "a.txt"], "local", ["a.txt"]), (["a.txt", "--ray"], "local", ["a.txt"]),
+                             (["--ray", "ray://head:10001", "a.txt"], "ray://head:10001", ["a.txt"]),
+                             (["--ray", "10.0.0.1:6379", "a.txt", "b.txt"], "10.0.0.1:6379", ["a.txt", "b.txt"]),
+                             (["--ray", "auto", "a.txt"], "auto", ["a.txt"]), (["--ray=odd", "a.txt"], "odd", ["a.txt"]),
+                             (["--ray", "-"], "local", ["-"]), (["--ray", "--lines", "a.txt"], "local", ["a.txt"])]:
+        args = parse(_unswallowed(["score", *argv]))
+        assert (args.ray, args.files) == (ray, files), argv
+    args = parse(_unswallowed(["generate", "--eos-token-id", "7", "8", "Hi", "--seed", "1"]))
+    assert (args.eos_token_id, args.prompt, args.seed) == ([7, 8], "Hi", 1)
+
+
+def test_a_summary_of_no_work_shows_no_rate(tmp_path, gpt2_vocab):
+    """No new token, one new token, a batch of no new tokens, a corpus with nothing to score: the summary says what
+    was done and shows no rate where nothing was timed (it said "prefill 1000000000 tokens/s", "decode nan
+    ms/token", "0 tokens/s", "perplexity nan")."""
+    (tmp_path / "p.txt").write_text("Hi\nHello there\n")
+    (tmp_path / "one.txt").write_text("Hello")  # one token: nothing to score
+    model = ["--model", gpt2_vocab[0]]
+
+    def summary(*argv):
+        r = run(*argv, *model, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        line = [x for x in re.split(r"[\r\n]", r.stderr) if x.startswith("gpt2numba: ") and "random" not in x][-1]
+        assert not re.search(r"\bnan\b|/s\b|1000000000", line), line
+        return line
+
+    assert "1 prompt tokens, 0 new tokens; " in summary("generate", "Hello", "--max-new-tokens", "0")
+    line = summary("generate", "Hello", "--max-new-tokens", "1")
+    assert "1 new tokens; first token after " in line and "no decode step" in line, line
+    assert "2 prompts, 0 new tokens in " in summary("generate", "--prompts-file", "p.txt", "--max-new-tokens", "0")
+    assert "1 documents, 0 tokens scored; " in summary("score", "one.txt")

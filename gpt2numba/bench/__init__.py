@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model_dir = Path(tmp, "gpt2-small-random")
             g.save_weights(g.random_weights(g.GPT2Config.small(), seed=0), model_dir)
-        w = g.load_weights(model_dir)
+        w = g.load_weights(args.model or model_dir)  # (--model as typed: an error names it so)
         report["model"] = str(args.model or "random GPT-2 small (seed 0)")
         report.update(section.run(args, model_dir, w))
     section.print_report(report)

@@ -1,5 +1,5 @@
 """The command line, gpt2numba generate | check | score | serve | bench: commands.py (every flag, and the
-commands but generate), generate.py (generate's work)."""
+commands but generate), generate.py (generate's work), summary.py (the figures of the summaries on stderr)."""
 
 from .commands import build_parser, main
 

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -24,10 +25,11 @@ from ..model.forward import decode_batch, decode_step, prefill, prefill_batch
 from ..model.kvcache import KV_DTYPES, ModelCache
 from ..model.models import RANDOM_NAME, RANDOM_NOTE, resolve_model  # resolve_model re-exported: gpt2numba.cli's
 from ..model.oracle import RTOL, agreement, recompute_logits, rounds_inputs, tolerance
-from ..text.documents import field_of, split
+from ..text.documents import field_of, read, split, utf8
 from ..text.report import REPORT_DOCUMENTS
 from ..serve.config import ServeConfig, flags as serve_flags  # (no web framework)
 from . import generate
+from .summary import rate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
 
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_unswallowed(argv))
     if getattr(args, "activations", "float32") == "bfloat16" and args.dtype != "bfloat16":
         parser.error(f"--activations bfloat16 needs --dtype bfloat16, got --dtype {args.dtype}")
     try:
@@ -51,6 +53,33 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+# The options whose values are optional (--ray [ADDRESS]) or many (--eos-token-id ID [ID ...]): the form of a value,
+# and how many it takes at most. argparse gives such an option every word that follows it, so that
+# `score --ray corpus.txt` scored stdin on a cluster named corpus.txt; _unswallowed leaves it only words of that form.
+_VALUE_FORMS = {"--ray": (re.compile(r"auto|local|ray://\S+|[^/\s]+:\d+"), 1),  # ray.init's addresses
+               "--eos-token-id": (re.compile(r"-?\d+"), math.inf)}
+_RAY_ADDRESS_HELP = ("the address of an existing cluster (auto, HOST:PORT or ray://HOST:PORT; any other as "
+                     "--ray=ADDRESS: a word of another form after --ray is not taken for an address), or none to start "
+                     "a local one")
+
+
+def _unswallowed(argv: list[str]) -> list[str]:
+    """argv with each option of _VALUE_FORMS that is followed by a word it would swallow (a word not of its values'
+    form, such as FILE or PROMPT) moved to the end, with the values it has, before any "--": the word stays where
+    it was, for the command's positional. --ray=VALUE still takes any value."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    kept, moved, i = [], [], 0
+    while i < end:
+        form, most = _VALUE_FORMS.get(argv[i], (None, 0))
+        j = i + 1
+        while form and j < end and j - i <= most and form.fullmatch(argv[j]):
+            j += 1
+        swallows = form and j < end and j - i <= most and (argv[j] == "-" or not argv[j].startswith("-"))
+        (moved if swallows else kept).extend(argv[i:j])
+        i = j
+    return kept + moved + argv[end:]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Continue PROMPT, printing text as it is produced (several texts or "
                               "beam search: each text once done); a one-line summary goes to stderr.")
     gen.add_argument("prompt", metavar="PROMPT", nargs="?", help="the text to continue (or --prompts-file)")
-    gen.add_argument("--prompts-file", type=Path, metavar="FILE",
+    gen.add_argument("--prompts-file", metavar="FILE",
                      help="many prompts, generated as a batch: one per line, or JSON lines with a \"prompt\" "
                      "field ('-' reads stdin); writes a JSON line per text as it finishes (beam search: per prompt)")
     gen.add_argument("--batch-size", type=in_range(int, 1), metavar="N",
@@ -107,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-new-tokens", type=in_range(int, 0), metavar="N",
                      help="no end of text before N new tokens (default 0)")
     gen.add_argument("--eos-token-id", type=in_range(int, 0), nargs="+", action="extend", metavar="ID",
-                     help="the ids that end a text (default 50256, <|endoftext|>)")
+                     help="the ids that end a text (default 50256, <|endoftext|>); the first word after them that "
+                     "is not a number is PROMPT")
     gen.add_argument("--bad-words", type=_word, action="append", metavar="WORD",
                      help="never write the word WORD after a space (tokenized as ' WORD', as transformers advises); repeatable")
     gen.add_argument("--seed", type=in_range(int, 0), help="make the output reproducible")
@@ -126,11 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     structured = gen.add_argument_group(
         "structured output", "at most one; every token keeps the text inside it, and a text ends when complete "
         "(the [structured] extra: llguidance)")
-    structured.add_argument("--json-schema", type=Path, metavar="FILE", help="a JSON schema (a file of JSON)")
+    structured.add_argument("--json-schema", metavar="FILE", help="a JSON schema (a file of JSON)")
     structured.add_argument("--regex", metavar="RE", help="a regular expression the whole text matches")
     structured.add_argument("--choice", action="append", metavar="TEXT",
                             help="the text is one of these exactly; repeatable (--choice yes --choice no)")
-    structured.add_argument("--grammar", type=Path, metavar="FILE",
+    structured.add_argument("--grammar", metavar="FILE",
                             help="a grammar: Lark (rule start) or GBNF (rule root, as llama.cpp's)")
     speculative = gen.add_argument_group(
         "speculative decoding", "a cheap draft proposes tokens, the model checks them in one pass: the same tokens "
@@ -147,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                              help="with --prompt-lookup: the longest run of last tokens looked up (default 2)")
     gen.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                      help="with --prompts-file: generate on a Ray cluster with Ray Data, the same records in the "
-                     "prompts' order: the address of an existing cluster, or none to start a local one (the [ray] "
-                     "extra); --threads is each worker's, --batch-size the prompts a worker runs at once (default 64)")
-    gen.add_argument("--output", type=Path, metavar="DIR", help="with --ray: write the records to DIR instead of stdout")
+                     f"prompts' order: {_RAY_ADDRESS_HELP} (the [ray] extra); --threads is each worker's, --batch-size "
+                     "the prompts a worker runs at once (default 64)")
+    gen.add_argument("--output", metavar="DIR", help="with --ray: write the records to DIR instead of stdout")
     gen.add_argument("--format", choices=["jsonl", "parquet"], help="with --output (default jsonl)")
 
     check = commands.add_parser(
@@ -177,11 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--batch-size", type=in_range(int, 1), default=16, metavar="N",
                        help="documents scored together in one pass (default 16)")
     score.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
-                       help="score on a Ray cluster with Ray Data: the address of an existing one, or none to "
-                       "start a local one (needs the [ray] extra; files, not stdin)")
-    score.add_argument("--output", type=Path, metavar="DIR", help="with --ray: write the scored dataset to DIR")
+                       help=f"score on a Ray cluster with Ray Data: {_RAY_ADDRESS_HELP} (needs the [ray] extra; "
+                       "files, not stdin)")
+    score.add_argument("--output", metavar="DIR", help="with --ray: write the scored dataset to DIR")
     score.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="with --output (default jsonl)")
-    score.add_argument("--html", type=Path, metavar="REPORT",
+    score.add_argument("--html", metavar="REPORT",
                        help="instead of the JSON lines, write the tokens of the first documents (--html-documents, "
                        f"default {REPORT_DOCUMENTS}) coloured by probability or rank into one self-contained HTML "
                        "file (no server, nothing fetched); each document's first n_positions - 1 tokens")
@@ -201,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         (key if name == "api_key" else serve).add_argument(
             "--" + name.replace("_", "-"), type=parse, default=default, metavar=flag.metavar, help=flag.help)
         if name == "api_key":
-            key.add_argument("--api-key-file", type=Path, metavar="PATH",
+            key.add_argument("--api-key-file", metavar="PATH",
                              help="the same, the key read from a file (not visible in ps)")
 
     tune = commands.add_parser(
@@ -230,8 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _documents(args):
     """(source, index, text) of every document, in order (documents.split: the errors name file and line)."""
     for name in args.files:
-        data = sys.stdin.buffer.read() if name == "-" else Path(name).read_bytes()
-        yield from split(data, "<stdin>" if name == "-" else name, args.lines, field_of(name, args.field))
+        yield from split(read(name), "<stdin>" if name == "-" else name, args.lines, field_of(name, args.field))
 
 
 def _serve(args) -> int:
@@ -260,7 +289,8 @@ def _api_key(args) -> str | None:
     if args.api_key is not None:
         key, where = args.api_key, "--api-key"
     elif args.api_key_file is not None:
-        key, where = args.api_key_file.read_text().strip(), f"--api-key-file {args.api_key_file}"
+        where = f"--api-key-file {args.api_key_file}"
+        key = utf8(read(args.api_key_file), where, 1).strip()
     elif "GPT2NUMBA_API_KEY" in os.environ:
         key, where = os.environ["GPT2NUMBA_API_KEY"], "$GPT2NUMBA_API_KEY"
     else:
@@ -313,10 +343,9 @@ def _score(args) -> int:
                 nll, tokens, n_bytes = nll + s.nll, tokens + s.n_tokens, n_bytes + size
                 bar.update(len(ids))
     seconds = time.perf_counter() - t0
-    print(f"gpt2numba: {len(docs)} documents, {tokens} tokens scored, nll {nll:.1f} nats, perplexity "
-          f"{math.exp(nll / tokens) if tokens else float('nan'):.2f}, "
-          f"{nll / math.log(2) / n_bytes if n_bytes else float('nan'):.3f} bits/byte; "
-          f"{seconds:.1f} s, {tokens / max(seconds, 1e-9):.0f} tokens/s", file=sys.stderr)
+    speed = rate(tokens, seconds)
+    print(f"gpt2numba: {len(docs)} documents, {tokens} tokens scored{_totals(nll, tokens, n_bytes)}; "
+          f"{seconds:.1f} s" + (f", {speed}" if speed else ""), file=sys.stderr)
     if failure is not None:
         raise failure
     return 0
@@ -337,7 +366,8 @@ def _score_html(args) -> int:
         note = f"The first {limit} of its {len(ids)} tokens: one pass of the context." if len(ids) > limit else ""
         inspection = inspect_ids(ids[:limit], w, tokenizer, kv_dtype=args.kv_dtype) if ids else None
         documents.append(Document(f"{name}, document {index}", inspection, note))
-    args.html.write_text(html_report(documents, source), encoding="utf-8")
+    with open(args.html, "w", encoding="utf-8") as f:  # (an error names the file as typed)
+        f.write(html_report(documents, source))
     tokens = sum(len(d.inspection.ids) for d in documents if d.inspection is not None)
     print(f"gpt2numba: wrote {args.html}: {len(documents)} documents, {tokens} tokens", file=sys.stderr)
     return 0
@@ -372,10 +402,10 @@ def _score_ray(args) -> int:
             tokens += int(batch["tokens"].sum())
             nll += float(batch["nll"].sum())
     seconds = time.perf_counter() - t0
-    print(f"gpt2numba: {docs} documents on Ray, {tokens} tokens scored, nll {nll:.1f} nats, perplexity "
-          f"{math.exp(nll / tokens) if tokens else float('nan'):.2f}; {seconds:.1f} s with the cluster's start, "
-          f"{tokens / max(seconds, 1e-9):.0f} tokens/s" + (f"; written to {args.output}" if args.output else ""),
-          file=sys.stderr)
+    speed = rate(tokens, seconds)
+    print(f"gpt2numba: {docs} documents on Ray, {tokens} tokens scored{_totals(nll, tokens)}; {seconds:.1f} s with "
+          f"the cluster's start" + (f", {speed}" if speed else "") + (f"; written to {args.output}" if args.output
+                                                                     else ""), file=sys.stderr)
     return 0
 
 
@@ -387,6 +417,15 @@ def _order(names: list[str]):
                     len(names))
         return rank, source, int(row["index"])
     return key
+
+
+def _totals(nll: float, tokens: int, n_bytes: int | None = None) -> str:
+    """", nll N nats, perplexity P" of a corpus (and its bits per byte, given its bytes); "" with no token scored,
+    whose perplexity is no number."""
+    if not tokens:
+        return ""
+    return (f", nll {nll:.1f} nats, perplexity {math.exp(nll / tokens):.2f}"
+            + (f", {nll / math.log(2) / n_bytes:.3f} bits/byte" if n_bytes else ""))
 
 
 def _finite(x: float):

@@ -17,7 +17,8 @@ import numpy as np
 from ..decoding.constraints import KINDS
 from ..errors import CacheFullError, GPT2NumbaError
 from ..model.models import RANDOM_NOTE, resolve_model
-from ..text.documents import utf8
+from ..text.documents import read, utf8
+from .summary import rate
 
 
 # The library's settings by the flag that sets them: Sampler's alone, beam_search's alone, and both's
@@ -158,7 +159,7 @@ def structured(args, tokenizer, vocab) -> dict:
     value = getattr(args, name)
     if name in ("json_schema", "grammar"):
         flag += f" {value}"
-        value = utf8(Path(value).read_bytes(), str(value), 1) if Path(value).is_file() else None
+        value = utf8(read(value), value, 1) if Path(value).is_file() else None
         if value is None:
             raise GPT2NumbaError(f"{flag}: no such file")
     try:
@@ -192,7 +193,7 @@ def bad_words_ids(words: list[str], tokenizer) -> list[list[int]]:
 
 
 def _stream(prompt, w, tokenizer, slide, options, t0) -> int:
-    """One text, written as its tokens arrive; prefill and decode rates on stderr."""
+    """One text, written as its tokens arrive; on stderr, when the first token came and a decode step's time."""
     from ..decoding.sample import generate, prompt_ids, text_stream
 
     ids = prompt_ids(prompt, tokenizer)
@@ -212,13 +213,17 @@ def _stream(prompt, w, tokenizer, slide, options, t0) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    prefill_s = (stamps[0] - t_start) if stamps else 0.0
-    decode_ms = 1e3 * np.median(np.diff(stamps)) if len(stamps) > 1 else float("nan")
-    if len(stamps) > 1 and ("draft" in options or "prompt_lookup_num_tokens" in options):  # tokens come in bursts
-        decode_ms = 1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1)  # (their median gap is 0): the mean
-    print(f"gpt2numba: {len(ids)} prompt tokens, {len(stamps)} new tokens; first token after {prefill_s:.2f} s "
-          f"(prefill {len(ids) / max(prefill_s, 1e-9):.0f} tokens/s, loading the compiled kernels included), "
-          f"decode {decode_ms:.1f} ms/token; {time.perf_counter() - t0:.1f} s in all", file=sys.stderr)
+    summary = f"{len(ids)} prompt tokens, {len(stamps)} new tokens"
+    if stamps:  # (no prefill rate: the first call's time is mostly the compiled kernels' loading)
+        summary += (f"; first token after {stamps[0] - t_start:.2f} s (the first call: prefill and loading the "
+                    "compiled kernels)")
+    if len(stamps) > 1:
+        gaps = np.diff(stamps)  # a speculative step's tokens come in a burst (their median gap is 0): the mean
+        speculating = "draft" in options or "prompt_lookup_num_tokens" in options
+        summary += f", decode {1e3 * (gaps.mean() if speculating else np.median(gaps)):.1f} ms/token"
+    elif stamps:
+        summary += ", no decode step"
+    print(f"gpt2numba: {summary}; {time.perf_counter() - t0:.1f} s in all", file=sys.stderr)
     return 0
 
 
@@ -262,10 +267,10 @@ def _text(ids, tokenizer) -> str:
     return tokenizer.decode([t for t in ids if t != tokenizer.eot_id])
 
 
-def read_prompts(path: Path) -> list[str]:
-    """Prompts from a file: JSON lines with a "prompt" field, or else one prompt per line (blank lines skipped)."""
-    source = "<stdin>" if str(path) == "-" else str(path)
-    text = utf8(sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes(), source, 1)
+def read_prompts(path: str) -> list[str]:
+    """Prompts from a file ("-": stdin): JSON lines with a "prompt" field, or else one prompt per line (blank lines
+    skipped)."""
+    text = utf8(read(path), "<stdin>" if path == "-" else path, 1)
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise GPT2NumbaError(f"{path}: no prompts in the file")
@@ -310,9 +315,10 @@ def _batch(prompts, w, tokenizer, batch_size, n, options) -> int:
             write(i)
     seconds = time.perf_counter() - t0
     total = sum(map(len, tokens.values()))
+    speed = rate(total, seconds)
     print(f"gpt2numba: {len(prompts)} prompts{f' x {n} samples' if n > 1 else ''}, {total} new tokens in "
-          f"{seconds:.1f} s: {total / seconds:.0f} tokens/s (batch size {min(batch_size or len(tokens), len(tokens))}, "
-          "prefills included)", file=sys.stderr)
+          f"{seconds:.1f} s" + (f": {speed} (batch size {min(batch_size or len(tokens), len(tokens))}, prefills "
+                                "included)" if speed else ""), file=sys.stderr)
     return 0
 
 

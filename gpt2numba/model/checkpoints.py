@@ -46,27 +46,27 @@ def load_weights(path: str | Path, dtype: str = "float32", activations: str = "f
     check_dtype(dtype, activations=activations)  # the config, known later, is checked against it in _read
     if not isinstance(path, (str, os.PathLike)):
         raise CheckpointNotFoundError(f"path must be a str or path, got {type(path).__name__}")
-    path = Path(path)
-    if not path.exists():
+    checkpoint = Path(path)  # (the messages name ``path`` as given: Path would drop a leading ./ and a trailing /)
+    if not checkpoint.exists():
         raise CheckpointNotFoundError(f"checkpoint {str(path)!r} does not exist")
     config = None
-    if path.is_dir():
-        file = path / "model.safetensors"
+    if checkpoint.is_dir():
+        file, source = checkpoint / "model.safetensors", os.path.join(path, "model.safetensors")
         if not file.is_file():
             raise CheckpointNotFoundError(f"checkpoint directory {str(path)!r} has no model.safetensors")
-        if (path / "config.json").is_file():
-            config = GPT2Config.from_json(path / "config.json")
+        if (checkpoint / "config.json").is_file():
+            config = GPT2Config.from_json(os.path.join(path, "config.json"))
     else:
-        file = path
+        file, source = checkpoint, os.fspath(path)
     try:
         # The library checks the file (header, offsets, size) and lists the tensors;
         # their bytes we read ourselves, straight into the stacked arrays: its
         # get_tensor would copy each one out of a memory map that, once read, counts
         # against the process's resident memory beside our copy, doubling the peak.
         with safe_open(str(file), framework="numpy") as f, open(file, "rb", buffering=0) as raw:
-            return _read(f, _TensorReader(raw), file, config, dtype).astype(dtype, activations)
+            return _read(f, _TensorReader(raw), source, config, dtype).astype(dtype, activations)
     except SafetensorError as e:
-        raise CheckpointError(f"{str(file)!r} is not a readable safetensors file: {e}") from None
+        raise CheckpointError(f"{source!r} is not a readable safetensors file: {e}") from None
 
 
 class _TensorReader:
@@ -109,8 +109,9 @@ class _TensorReader:
         return np.fromfile(self.raw, self._DTYPES[self.dtype(name)], count)
 
 
-def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype: str) -> GPT2Weights:
-    """Gather, check and stack the tensors of an open safetensors file."""
+def _read(f, reader: _TensorReader, source: str, config: GPT2Config | None, dtype: str) -> GPT2Weights:
+    """Gather, check and stack the tensors of an open safetensors file (``source``: its path, as the messages
+    name it)."""
     names = set(f.keys())
     integer_file = any(n.endswith(_SCALE) for n in names)  # int8 or int4, as save_weights writes them
     prefix = "transformer." if "transformer.wte.weight" in names else ""
@@ -120,9 +121,9 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
 
     for name in ("wte.weight", "wpe.weight"):
         if prefix + name not in names:
-            raise CheckpointError(f"{str(file)!r} has no tensor {prefix + name!r}")
+            raise CheckpointError(f"{source!r} has no tensor {prefix + name!r}")
     n_layer = len({m.group(1) for n in names if (m := re.match(rf"{re.escape(prefix)}h\.(\d+)\.", n))})
-    inferred = _infer_config(shape("wte.weight"), shape("wpe.weight"), n_layer, file)
+    inferred = _infer_config(shape("wte.weight"), shape("wpe.weight"), n_layer, source)
     if config is None:
         config = inferred
     elif (config.n_layer, config.n_embd, config.vocab_size, config.n_positions) != (
@@ -131,7 +132,7 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
         raise CheckpointError(
             f"config.json says n_layer={config.n_layer}, n_embd={config.n_embd}, "
             f"vocab_size={config.vocab_size}, n_positions={config.n_positions} but the tensors in "
-            f"{str(file)!r} give n_layer={inferred.n_layer}, n_embd={inferred.n_embd}, "
+            f"{source!r} give n_layer={inferred.n_layer}, n_embd={inferred.n_embd}, "
             f"vocab_size={inferred.vocab_size}, n_positions={inferred.n_positions}"
         )
 
@@ -144,11 +145,11 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
             expected[f"{prefix}h.{layer}.{name}"] = (field, layer, shape_of(config))
     missing = sorted(set(expected) - names, key=_natural)
     if missing:
-        raise CheckpointError(f"{str(file)!r} lacks tensor {missing[0]!r} ({len(missing)} missing in all)")
+        raise CheckpointError(f"{source!r} lacks tensor {missing[0]!r} ({len(missing)} missing in all)")
     known = set(expected) | {"lm_head.weight"} | {n for n in names if integer_file and n.endswith(_SCALE)}
     unknown = sorted(n for n in names - known if not _IGNORED.search(n))
     if unknown:
-        raise CheckpointError(f"{str(file)!r} has unexpected tensor {unknown[0]!r}; is this GPT-2?")
+        raise CheckpointError(f"{source!r} has unexpected tensor {unknown[0]!r}; is this GPT-2?")
 
     arrays = {field: np.empty(compact.stored_shape(field, shape, dtype) if field in MATRICES else shape,
                               storage(field, dtype) if field in MATRICES else np.float32)
@@ -191,7 +192,7 @@ def _read(f, reader: _TensorReader, file: Path, config: GPT2Config | None, dtype
         if lm_head.shape != arrays["wte"].shape or not np.array_equal(
                 compact.compress("wte", lm_head, dtype)[0], arrays["wte"]):
             raise CheckpointError(
-                f"{str(file)!r} has an lm_head.weight that differs from wte.weight; "
+                f"{source!r} has an lm_head.weight that differs from wte.weight; "
                 "gpt2numba supports only GPT-2's tied output head"
             )
     return GPT2Weights(config=config, **arrays, dtype=dtype, scales=scales)
@@ -230,17 +231,17 @@ def _check_finite(name, a):
         raise CheckpointError(f"tensor {name!r} holds non-finite values (nan or inf)")
 
 
-def _infer_config(wte_shape, wpe_shape, n_layer, file) -> GPT2Config:
+def _infer_config(wte_shape, wpe_shape, n_layer, source) -> GPT2Config:
     if len(wte_shape) != 2 or len(wpe_shape) != 2 or wte_shape[1] != wpe_shape[1]:
         raise CheckpointError(
-            f"{str(file)!r}: wte {list(wte_shape)} and wpe {list(wpe_shape)} are not [vocab, n_embd] "
+            f"{source!r}: wte {list(wte_shape)} and wpe {list(wpe_shape)} are not [vocab, n_embd] "
             "and [n_positions, n_embd]"
         )
     n_embd = wte_shape[1]
     if n_layer == 0:
-        raise CheckpointError(f"{str(file)!r} has no transformer blocks (no 'h.N.' tensors)")
+        raise CheckpointError(f"{source!r} has no transformer blocks (no 'h.N.' tensors)")
     if n_embd % HEAD_DIM:
-        raise CheckpointError(f"{str(file)!r}: n_embd={n_embd} is not a multiple of head_dim {HEAD_DIM}")
+        raise CheckpointError(f"{source!r}: n_embd={n_embd} is not a multiple of head_dim {HEAD_DIM}")
     return GPT2Config(
         n_layer=n_layer,
         n_head=n_embd // HEAD_DIM,

@@ -62,11 +62,10 @@ class GPT2Config:
         Raises CheckpointNotFoundError if the file is missing and CheckpointError
         if it is not JSON or lacks n_layer, n_head or n_embd.
         """
-        path = Path(path)
-        if not path.is_file():
+        if not Path(path).is_file():  # (the messages name ``path`` as given: Path would drop a leading ./)
             raise CheckpointNotFoundError(f"config file {str(path)!r} does not exist")
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(Path(path).read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{str(path)!r} is not a readable JSON file: {e}") from None
         if not isinstance(raw, dict):

@@ -35,7 +35,7 @@ def resolve_model(model: str | None, dtype: str = "float32", activations: str = 
         except GPT2NumbaError as e:  # (said where the path came from: the variable, not a flag)
             raise type(e)(f"$GPT2NUMBA_WEIGHTS={env!r}: {e}") from None
         return w.astype(dtype, activations), env, env or "random GPT-2 small weights (seed 0)"
-    path = _download(model) if is_hub_name(model) else Path(model)
+    path = _download(model) if is_hub_name(model) else model  # (a path as given: an error names it so)
     return load_weights(path, dtype=dtype, activations=activations), path, str(model)
 
 

@@ -4,6 +4,7 @@ the text in a field. The in-process command and the Ray one (distributed.py) spl
 from __future__ import annotations
 
 import json
+import sys
 
 from ..errors import GPT2NumbaError
 
@@ -35,6 +36,15 @@ def split(data: bytes, source: str, lines: bool = False, field: str | None = Non
             text = record[field]
         yield source, index, text
         index += 1
+
+
+def read(name: str) -> bytes:
+    """The bytes of the file ``name`` ("-": stdin), opened by the name as typed, so that an OSError names it so
+    (pathlib's would say "corpus.txt" for "./corpus.txt")."""
+    if name == "-":
+        return sys.stdin.buffer.read()
+    with open(name, "rb") as f:
+        return f.read()
 
 
 def field_of(name: str, field: str | None) -> str | None:

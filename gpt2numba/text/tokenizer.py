@@ -80,14 +80,15 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     if path is not None:
         if not isinstance(path, (str, os.PathLike)):
             raise CheckpointNotFoundError(f"path must be a str or path, got {type(path).__name__}")
-        path = Path(path)
-        if not path.exists():
+        if not os.path.exists(path):  # (the messages name the files as ``path`` gives them: Path drops a ./)
             raise CheckpointNotFoundError(f"{str(path)!r} does not exist")
-        folder = path if path.is_dir() else path.parent
-        if (folder / "tokenizer.json").is_file():
-            return _from_tokenizer_json(folder / "tokenizer.json")
-        if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-            return _from_files(folder / "vocab.json", folder / "merges.txt", str(folder))
+        folder = os.fspath(path) if os.path.isdir(path) else os.path.dirname(path) or "."
+        tokenizer_json, vocab_json, merges_txt = (os.path.join(folder, name)
+                                                  for name in ("tokenizer.json", "vocab.json", "merges.txt"))
+        if os.path.isfile(tokenizer_json):
+            return _from_tokenizer_json(tokenizer_json)
+        if os.path.isfile(vocab_json) and os.path.isfile(merges_txt):
+            return _from_files(vocab_json, merges_txt, folder)
     return _gpt2()
 
 
@@ -108,17 +109,17 @@ def gpt2_vocabulary_files() -> tuple[Path, Path]:
     return data / "encoder.json", data / "vocab.bpe"
 
 
-def _from_files(vocab_json: Path, merges_txt: Path, source: str, expected_sha256=None) -> Tokenizer:
+def _from_files(vocab_json: str | Path, merges_txt: str | Path, source: str, expected_sha256=None) -> Tokenizer:
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
     hashes = {}
     for name, file in (("encoder.json", vocab_json), ("vocab.bpe", merges_txt)):
-        hashes[name] = hashlib.sha256(file.read_bytes()).hexdigest()
+        hashes[name] = hashlib.sha256(Path(file).read_bytes()).hexdigest()
         if expected_sha256 and hashes[name] != expected_sha256[name]:
             raise CheckpointError(f"{str(file)!r} is not GPT-2's {name} (sha256 {hashes[name]})")
     try:
-        vocab = json.loads(vocab_json.read_text(encoding="utf-8"))
+        vocab = json.loads(Path(vocab_json).read_text(encoding="utf-8"))
         # Passing the files' own hashes keeps tiktoken's on-disk cache from serving a stale copy.
         ranks = data_gym_to_mergeable_bpe_ranks(str(merges_txt), str(vocab_json),
                                                 hashes["vocab.bpe"], hashes["encoder.json"])
@@ -130,10 +131,10 @@ def _from_files(vocab_json: Path, merges_txt: Path, source: str, expected_sha256
     return Tokenizer(encoding, source)
 
 
-def _from_tokenizer_json(file: Path) -> Tokenizer:
+def _from_tokenizer_json(file: str) -> Tokenizer:
     """A Hugging Face tokenizer.json of a byte-level BPE, via its vocab and merges."""
     try:
-        model = json.loads(file.read_text(encoding="utf-8"))["model"]
+        model = json.loads(Path(file).read_text(encoding="utf-8"))["model"]
         vocab, merges = model["vocab"], model["merges"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{str(file)!r} is not a BPE tokenizer.json: {e!r}") from None
