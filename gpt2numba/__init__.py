@@ -15,6 +15,7 @@ from .errors import (
     ConfigError,
     GPT2NumbaError,
     GrammarError,
+    PartialBatchError,
     SamplingError,
     TokenError,
     TokenTypeError,
@@ -49,6 +50,7 @@ __all__ = [
     "Score", "score", "score_batch", "score_text", "perplexity", "Sampler", "load_tokenizer", "Tokenizer", "set_threads", "get_threads",
     "GPT2NumbaError", "BatchError", "TokenError", "TokenTypeError", "CacheError", "CacheFullError",
     "ConfigError", "CheckpointError", "CheckpointNotFoundError", "SamplingError", "GrammarError",
+    "PartialBatchError",
     "Constraint", "constraint",
 ]
 __version__ = "0.1.0"

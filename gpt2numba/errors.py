@@ -50,3 +50,23 @@ class GrammarError(GPT2NumbaError, ValueError):
     def __init__(self, detail: str, argument: str | None = None):
         super().__init__(detail if argument is None else f"{argument}: {detail}")
         self.detail, self.argument = detail, argument
+
+
+class PartialBatchError(GPT2NumbaError):
+    """Some of a batch's ``total`` sequences failed during the work, each alone (its sampling, its constraint, its
+    draft, a bug), and every other one finished: raised by generate_batch, generate_text_batch and
+    beam_search_batch once the others are done. ``errors`` maps each failed one's index (as the function numbers
+    its results) to its exception; ``results`` is what the function returns, None in each failed one's place
+    (None for generate_batch, whose tokens came as they were made). The message names the failed indices and the
+    first one's error."""
+
+    def __init__(self, errors: dict[int, Exception], total: int, results: list | None = None):
+        failed = sorted(errors)
+        named = ", ".join(map(str, failed[:10])) + (", ..." if len(failed) > 10 else "")
+        first = errors[failed[0]]
+        super().__init__(f"{len(failed)} of {total} failed ({named}), the others finished; "
+                         f"{failed[0]}: {type(first).__name__}: {first}")
+        self.errors, self.total, self.results = errors, total, results
+
+    def __reduce__(self):  # (pickled as it was made: a Ray task or a process pool can hand it on)
+        return type(self), (self.errors, self.total, self.results)

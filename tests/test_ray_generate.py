@@ -11,7 +11,7 @@ import pytest
 
 import gpt2numba as g
 from checkpoints import write_dir
-from conftest import TINY_GPT2
+from conftest import TINY, TINY_GPT2
 from gpt2numba.decoding.sample import prompt_ids
 from gpt2numba.cli import main
 
@@ -213,3 +213,25 @@ def test_generate_command_refuses_ray_flags_out_of_place(capsys):
                            (["--prompts-file", "p.txt", "--format", "parquet"], "--format goes with --ray")]:
         assert main(["generate", *flags]) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_row_that_fails_has_its_error_and_the_others_run(cluster, tmp_path):
+    """A row whose generation fails in a worker (its prompt holds the one token the settings leave: every token
+    banned for it) gets its error in the error column and nulls in the others; the dataset runs on, and every other
+    row's completion is generate_batch's (issue 70)."""
+    from gpt2numba.integrations.distributed import generate_dataset
+
+    w = g.random_weights(TINY, seed=6)
+    write_dir(w, tmp_path / "model")
+    prompts = [[5, 6, 7], [8, 0, 9], [10, 11], [12], [0], [13, 14]]
+    banned = {"no_repeat_ngram_size": 1, "bad_words_ids": [[t] for t in range(1, TINY.vocab_size)]}
+    rows = sorted(generate_dataset(blocks([{"ids": ids, "id": i} for i, ids in enumerate(prompts)]),
+                                   str(tmp_path / "model"), column="ids", max_new_tokens=1, temperature=0,
+                                   concurrency=2, batch_size=2, **banned).take_all(), key=lambda r: r["id"])
+    with pytest.raises(g.PartialBatchError) as raised:
+        list(g.generate_batch(prompts, w, max_new_tokens=1, temperature=0, **banned))
+    assert sorted(raised.value.errors) == [1, 4]
+    assert [r["error"] is not None for r in rows] == [False, True, False, False, True, False]
+    assert all(r["error"].startswith("SamplingError: every token is banned") for r in (rows[1], rows[4]))
+    assert [r["completion_ids"] for r in rows] == [[0], None, [0], [0], None, [0]]

@@ -12,6 +12,10 @@ and go); the caller checks prompts and settings first.
 Sequences that start from one prompt (n samples of it) share a SharedPrompt: the
 first of them to run prefills the prompt, the others read its cache's rows in place
 (ModelCache.copy_prefix shares them) and sample their first token from the same logits.
+
+A sequence's own work in a step (its sampling, its constraint's matcher, its draft, whether it ends) is its own:
+what it raises fails it alone (a Fault in the step's result), and the others go on as without it, each with its
+own random stream and cache. The forward pass is every sequence's: what it raises, the step raises.
 """
 
 from __future__ import annotations
@@ -88,6 +92,16 @@ class Sequence:
     def ends(self, token: int) -> bool:
         """Whether ``token``, just appended, ends it: a stop id, its last new token, its constraint's text done."""
         return token in self.stop_ids or self.new_tokens == self.max_new_tokens or self.complete
+
+
+@dataclass(frozen=True, eq=False)
+class Fault:
+    """A sequence that failed in a step, alone: its sampling, its constraint, its draft or its end raised
+    ``error``. It has left its batch as a finished sequence does (its caches gone); the step's other sequences
+    went on as they would have without it."""
+
+    sequence: Sequence
+    error: Exception
 
 
 class Batch:
@@ -203,9 +217,10 @@ class Batch:
                     del waiting[0].feed[: self.prefixes.load(waiting[0].ids, waiting[0].cache)]
         seq.cache = None  # whoever still holds the sequence, its memory is free
 
-    def step(self, max_prompt_rows: int | None = None) -> list[tuple[Sequence, int, bool, np.ndarray]]:
+    def step(self, max_prompt_rows: int | None = None) -> list[tuple[Sequence, int, bool, np.ndarray] | Fault]:
         """One forward pass over every sequence: (sequence, its new token, whether it is done, its logits), in
         order; a sequence that speculates may have several tokens in a step, the last of them ending it if one does.
+        A sequence whose own work raised is a Fault instead, after any token it had in the step, and has left.
 
         With ``max_prompt_rows``, a step feeds at most that many prompt rows in all (the earliest added
         first; IDLE_PROMPT_ROWS if larger and no sequence is decoding), and a prompt cut short goes on in
@@ -218,7 +233,8 @@ class Batch:
         if not seqs:
             return []
         rows = self._rows(seqs, max_prompt_rows)  # sequence -> rows it feeds now
-        drafts = self._draft(rows)  # sequence -> (its drafted tokens, fed after its last token; their q or None)
+        out: list = []  # the step's tokens and faults
+        drafts = self._draft(rows, out)  # sequence -> (its drafted tokens, fed after its last token; their q or None)
         fed = list(rows)
         started = time.perf_counter()
         logits = self._pass(fed, rows, drafts) if fed else []
@@ -246,32 +262,41 @@ class Batch:
                     shared.cache = seq.cache.fork(max_len=len(seq.ids))
                     shared.logits = row_of[seq].copy()
                 shared.leader = None
-        out = []
         for seq in seqs:
-            if seq in blocks:
-                out.extend(self._settle(seq, blocks[seq], *drafts[seq]))
-                continue
-            if seq not in row_of:
-                continue
-            row = row_of[seq]
-            token = next_token(seq.sampler, row, seq.ids, seq.rng, seq.prompt_len, seq.matcher)
-            seq.ids.append(token)
-            done = seq.ends(token)
-            if done:
-                self.remove(seq)
-            else:
-                seq.feed = [token]
-            out.append((seq, token, done, row))
+            try:
+                if seq in blocks:
+                    self._settle(seq, blocks[seq], *drafts[seq], out)
+                elif seq in row_of:
+                    self._choose(seq, row_of[seq], out)
+            except Exception as e:  # (its own: a SamplingError "every token is banned", its matcher's, a bug)
+                out.append(self._fault(seq, e))
         self.in_flight = self.positions()
         return out
 
-    def _draft(self, rows: dict[Sequence, int]) -> dict:
+    def _choose(self, seq: Sequence, row: np.ndarray, out: list) -> None:
+        """A sequence's token from its logits ``row``, into ``out`` as step() gives it."""
+        token = next_token(seq.sampler, row, seq.ids, seq.rng, seq.prompt_len, seq.matcher)
+        seq.ids.append(token)
+        done = seq.ends(token)
+        if done:
+            self.remove(seq)
+        else:
+            seq.feed = [token]
+        out.append((seq, token, done, row))
+
+    def _fault(self, seq: Sequence, error: Exception) -> Fault:
+        """A sequence's own work raised ``error``: it leaves, as a finished one does."""
+        if seq in self.sequences:
+            self.remove(seq)
+        return Fault(seq, error)
+
+    def _draft(self, rows: dict[Sequence, int], faults: list) -> dict:
         """The drafts of the decoding sequences that speculate (batched: speculative.propose_all), each fed after
-        its last token now; those that drafted none are left out. While more sequences are in flight than the
-        speculation's max_batch (prompts being prefilled count: a longer step holds them up), only those that sample
-        draft: a greedy sequence's tokens are the same either way, a sampled one's would then depend on what runs
-        beside it. The greedy ones share MAX_DRAFT drafted rows a step (a sampled one drafts its own k, which only
-        its own history sets)."""
+        its last token now; those that drafted none are left out, and one whose draft raised leaves unfed (its
+        Fault into ``faults``). While more sequences are in flight than the speculation's max_batch (prompts being
+        prefilled count: a longer step holds them up), only those that sample draft: a greedy sequence's tokens
+        are the same either way, a sampled one's would then depend on what runs beside it. The greedy ones share
+        MAX_DRAFT drafted rows a step (a sampled one drafts its own k, which only its own history sets)."""
         if self.speculation is None:
             return {}
         decoding = [s for s in rows if s.new_tokens > 0 and s.drafter is not None]
@@ -286,7 +311,11 @@ class Batch:
         drafts = speculative.propose_all([(s.drafter, s.ids, min(s.k, cap[s], s.max_new_tokens - s.new_tokens - 1),
                                            s.sampler, s.rng, s.prompt_len) for s in seqs])
         self.stats.draft_seconds += time.perf_counter() - started
-        drafts = {s: d for s, d in zip(seqs, drafts) if d[0]}
+        for seq, drafted in zip(seqs, drafts):
+            if isinstance(drafted, Exception):
+                del rows[seq]
+                faults.append(self._fault(seq, drafted))
+        drafts = {s: d for s, d in zip(seqs, drafts) if not isinstance(d, Exception) and d[0]}
         for seq, (tokens, _) in drafts.items():
             seq.feed += tokens
             rows[seq] = len(seq.feed)
@@ -303,21 +332,19 @@ class Batch:
         return prefill_batch([s.feed[: rows[s]] for s in order], self.w, [s.cache for s in order],
                              out=out, every_row=[s in drafts for s in order] if drafts else None)
 
-    def _settle(self, seq: Sequence, block: np.ndarray, drafted: list[int], qs) -> list:
+    def _settle(self, seq: Sequence, block: np.ndarray, drafted: list[int], qs, out: list) -> None:
         """A drafting sequence's step: the drafts its model keeps and its own token (speculative.settle), each
-        as step() gives tokens, up to the one that ends it."""
+        into ``out`` as step() gives tokens, up to the one that ends it."""
         new, seq.k = speculative.settle(block, drafted, qs, seq.ids, seq.cache, seq.sampler, seq.rng, seq.prompt_len,
                                         self.speculation, seq.k, self.stats)
-        out = []
         for token, row in zip(new, block):
             seq.ids.append(token)
             done = seq.ends(token)
             out.append((seq, token, done, row))
             if done:
                 self.remove(seq)
-                return out
+                return
         seq.feed = [new[-1]]
-        return out
 
     @staticmethod
     def _rows(seqs: list[Sequence], max_prompt_rows: int | None) -> dict[Sequence, int]:

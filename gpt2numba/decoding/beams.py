@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from ..cpu.topk import _best, _log_softmax
-from ..errors import SamplingError
+from ..errors import PartialBatchError, SamplingError
 from ..model import checks
 from ..model.forward import decode_batch, prefill_batch
 from ..model.kvcache import ModelCache, check_kv_dtype
@@ -59,23 +59,30 @@ def beam_search(prompt_ids, w: GPT2Weights, *, num_beams: int, max_new_tokens: i
     the constraint allows fewer texts (the same text may come twice, tokenized two ways).
     Everything is checked before any work: SamplingError for a setting, TokenError / TokenTypeError for ids,
     CacheFullError when the prompt and max_new_tokens pass n_positions, ConfigError for kv_dtype,
-    GrammarError for a constraint.
+    GrammarError for a constraint. What fails the search during the work is raised as it is.
     """
-    return beam_search_batch([prompt_ids], w, num_beams=num_beams, max_new_tokens=max_new_tokens,
-                             length_penalty=length_penalty, early_stopping=early_stopping,
-                             num_return_sequences=num_return_sequences, no_repeat_ngram_size=no_repeat_ngram_size,
-                             repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
-                             min_new_tokens=min_new_tokens, bad_words_ids=bad_words_ids, kv_dtype=kv_dtype,
-                             json_schema=json_schema, regex=regex, choice=choice, grammar=grammar,
-                             tokenizer=tokenizer)[0]
+    try:
+        return beam_search_batch([prompt_ids], w, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                                 length_penalty=length_penalty, early_stopping=early_stopping,
+                                 num_return_sequences=num_return_sequences, no_repeat_ngram_size=no_repeat_ngram_size,
+                                 repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
+                                 min_new_tokens=min_new_tokens, bad_words_ids=bad_words_ids, kv_dtype=kv_dtype,
+                                 json_schema=json_schema, regex=regex, choice=choice, grammar=grammar,
+                                 tokenizer=tokenizer)[0]
+    except PartialBatchError as e:  # (its one prompt's)
+        raise e.errors[0] from None
 
 
 def beam_search_batch(prompts, w: GPT2Weights, *, num_beams: int, max_new_tokens: int, kv_dtype: str | None = None,
                       json_schema=None, regex=None, choice=None, grammar=None, constraints=None, tokenizer=None,
                       **settings) -> list[list[Hypothesis]]:
     """beam_search for each of ``prompts``, their beams in one forward pass a step; a list per prompt, in
-    order. Takes beam_search's settings and raises what it raises (naming the prompt), and BatchError for no
-    prompts; ``constraints`` as generate_batch takes it, one Constraint or None a prompt."""
+    order. Takes beam_search's settings and raises what it raises before any work (naming the prompt), and
+    BatchError for no prompts; ``constraints`` as generate_batch takes it, one Constraint or None a prompt.
+    A prompt whose search fails during the work (its constraint's error, a bug) stops alone, its caches freed;
+    the others search on as without it, and once they are done PartialBatchError is raised, its ``errors`` by
+    prompt index, its ``results`` this function's list with None for each failed prompt. What the forward pass
+    raises ends every search."""
     checks.weights(w)
     cfg = w.config
     checks.known_settings(settings, [f.name for f in fields(_Settings) if f.init])
@@ -92,13 +99,20 @@ def beam_search_batch(prompts, w: GPT2Weights, *, num_beams: int, max_new_tokens
     while running:
         rows = np.split(logits, np.cumsum([len(b.caches) for b in running])[:-1])
         for b, row in zip(running, rows):
-            b.step(row)
+            try:
+                b.step(row)
+            except Exception as e:  # (its own: the other prompts search on)
+                b.fail(e)
         running = [b for b in running if not b.done]
         if running:
             logits = decode_batch([ids[-1] for b in running for ids in b.running], w,
                                   [mc for b in running for mc in b.caches])
-    return [[Hypothesis(ids, float(score)) for score, ids in b.finished[: search.num_return_sequences]]
-            for b in beams]
+    found = [None if b.error is not None else
+             [Hypothesis(ids, float(score)) for score, ids in b.finished[: search.num_return_sequences]] for b in beams]
+    errors = {i: b.error for i, b in enumerate(beams) if b.error is not None}
+    if errors:
+        raise PartialBatchError(errors, len(beams), found)
+    return found
 
 
 @dataclass(frozen=True)
@@ -153,6 +167,7 @@ class _Beams:
         self.finished: list[tuple[float, list[int]]] = []  # (score, ids), best first, at most num_beams
         self.improvable = True  # transformers' "early stop heuristic unsatisfied"
         self.done = False
+        self.error: Exception | None = None  # what failed its search, if something did
 
     def step(self, logits: np.ndarray) -> None:
         """Take the running beams' next-token logits (beams, vocab); move on by one token."""
@@ -190,6 +205,11 @@ class _Beams:
             self.caches = self.spare = []
         else:
             self._reorder(parents[kept])
+
+    def fail(self, error: Exception) -> None:
+        """Its search failed with ``error``: it is done, its caches freed."""
+        self.error, self.done = error, True
+        self.caches = self.spare = []
 
     def _follow(self, parent: int, token: int) -> Matcher:
         """A running beam's Matcher advanced by a token it allows: its own copy, as beams share a parent."""

@@ -10,14 +10,14 @@ from dataclasses import KW_ONLY, dataclass, field, fields
 
 import numpy as np
 
-from ..errors import CacheFullError, ConfigError, SamplingError, TokenTypeError
+from ..errors import CacheFullError, ConfigError, PartialBatchError, SamplingError, TokenTypeError
 from ..model import checks
 from ..model.forward import decode_step, prefill
 from ..model.kvcache import ModelCache, check_kv_dtype
 from ..model.weights import GPT2Weights
 from ..text.tokenizer import Tokenizer, resolve_tokenizer
 from . import speculative
-from .batching import Batch, Sequence, SharedPrompt, next_token
+from .batching import Batch, Fault, Sequence, SharedPrompt, next_token
 from .constraints import Matcher, constraint as _constraint, per_sequence
 from .processors import Processors
 
@@ -306,6 +306,10 @@ def generate_batch(prompts, w: GPT2Weights, *, max_new_tokens: int, seed: int | 
     TokenTypeError naming the prompt,
     CacheFullError when a prompt plus max_new_tokens passes n_positions,
     BatchError for no prompts, GrammarError for a constraint.
+    A sequence that fails during the work (a SamplingError when its settings leave no token, its constraint's
+    or its draft's error) stops alone; the others go on with the tokens they would have had without it, and
+    once they are done PartialBatchError is raised, its ``errors`` by sequence index. What the forward pass
+    raises ends the whole batch.
     """
     steps = _batch_steps(prompts, w, max_new_tokens=max_new_tokens, seed=seed, stop_at_eos=stop_at_eos,
                          batch_size=batch_size, n=n, kv_dtype=kv_dtype, **options)
@@ -355,15 +359,22 @@ def _generate_batch(prompts, w, sampler, max_new_tokens, rngs, stop_at_eos, slot
     shared = _shared_prompts(prompts)
     waiting = collections.deque(range(len(prompts)))
     index_of: dict[Sequence, int] = {}  # sequence in flight -> its index
+    errors: dict[int, Exception] = {}  # index -> what failed it
     while waiting or batch.sequences:
         while waiting and not batch.full:  # a free slot takes the next sequence
             i = waiting.popleft()
             index_of[batch.add(prompts[i], max_new_tokens=max_new_tokens, sampler=sampler, rng=rngs[i],
                                stop_at_eos=stop_at_eos, shared=shared[i], constraint=each[i])] = i
-        for seq, token, done, row in batch.step():
+        for out in batch.step():
+            if isinstance(out, Fault):  # (it has left the batch, its caches with it)
+                errors[index_of.pop(out.sequence)] = out.error
+                continue
+            seq, token, done, row = out
             yield index_of[seq], token, done, row
             if done:  # (its caches go with it)
                 del index_of[seq]
+    if errors:
+        raise PartialBatchError(errors, len(prompts))
 
 
 def _shared_prompts(prompts: list[list[int]]) -> list[SharedPrompt | None]:
@@ -380,7 +391,8 @@ def generate_text_batch(texts, w: GPT2Weights, tokenizer: Tokenizer | None = Non
 
     An empty text starts from <|endoftext|>; <|endoftext|> ends a text and is not shown.
     Raises TokenTypeError for a text that is not a str, ConfigError for a tokenizer that is
-    not a Tokenizer, and what generate_batch raises.
+    not a Tokenizer, and what generate_batch raises; its PartialBatchError carries the texts (None for a
+    failed one).
     """
     texts = checks.sequence(texts, "texts")
     for i, text in enumerate(texts):
@@ -389,9 +401,13 @@ def generate_text_batch(texts, w: GPT2Weights, tokenizer: Tokenizer | None = Non
     tokenizer = resolve_tokenizer(tokenizer)
     steps = _batch_steps([prompt_ids(t, tokenizer) for t in texts], w, tokenizer=tokenizer, **options)
     tokens: list[list[int]] = [[] for _ in range(len(texts) * options.get("n", 1))]
-    for i, token, *_ in steps:
-        if token != tokenizer.eot_id:
-            tokens[i].append(token)
+    try:
+        for i, token, *_ in steps:
+            if token != tokenizer.eot_id:
+                tokens[i].append(token)
+    except PartialBatchError as e:
+        raise PartialBatchError(e.errors, e.total, [None if i in e.errors else tokenizer.decode(t)
+                                                    for i, t in enumerate(tokens)]) from None
     return [tokenizer.decode(t) for t in tokens]
 
 

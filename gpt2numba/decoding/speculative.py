@@ -197,7 +197,10 @@ class ModelDraft:
 
     def propose(self, ids: list[int], k: int, sampler, rng, prompt_len: int):
         """Up to k tokens after ``ids``, and the draft's distribution for each (None when greedy)."""
-        return propose_all([(self, ids, k, sampler, rng, prompt_len)])[0]
+        drafted = propose_all([(self, ids, k, sampler, rng, prompt_len)])[0]
+        if isinstance(drafted, Exception):
+            raise drafted
+        return drafted
 
     def _start(self, ids: list[int], k: int) -> tuple[list[int], int]:
         """(The tokens to feed first, how many it can draft): its cache keeps what still holds of ``ids``."""
@@ -215,19 +218,24 @@ class ModelDraft:
         return ids[keep:], k
 
 
-def propose_all(jobs: list[tuple]) -> list[tuple[list[int], list | None]]:
+def propose_all(jobs: list[tuple]) -> list[tuple[list[int], list | None] | Exception]:
     """The drafts of several sequences: jobs (drafter, ids, k, sampler, rng, prompt_len) give each (up to k
     tokens, the draft's distribution for each or None when greedy). Model drafts (of one weights) draft
-    together, one pass for each token over all of them."""
-    results: list[tuple[list[int], list | None]] = [([], None) for _ in jobs]
+    together, one pass for each token over all of them. A job whose own drafting raises (its sampler, its
+    drafter) gets the exception in its place and drafts no further; the others draft as without it. What the
+    draft model's pass raises, propose_all raises."""
+    results: list = [([], None) for _ in jobs]
     models = []  # (job, the tokens it feeds first, k)
     for i, (drafter, ids, k, sampler, rng, prompt_len) in enumerate(jobs):
-        if isinstance(drafter, ModelDraft):
-            feed, k = drafter._start(ids, k)
-            if k > 0:
-                models.append((i, feed, k))
-        else:
-            results[i] = drafter.propose(ids, k, sampler, rng, prompt_len)
+        try:
+            if isinstance(drafter, ModelDraft):
+                feed, k = drafter._start(ids, k)
+                if k > 0:
+                    models.append((i, feed, k))
+            else:
+                results[i] = drafter.propose(ids, k, sampler, rng, prompt_len)
+        except Exception as e:  # (its own: the others draft on)
+            results[i] = e
     if not models:
         return results
     w = jobs[models[0][0]][0].w
@@ -239,14 +247,12 @@ def propose_all(jobs: list[tuple]) -> list[tuple[list[int], list | None]]:
     while True:
         going = []
         for i, row in zip(active, logits):
-            drafter, ids, _, sampler, rng, prompt_len = jobs[i]
-            tokens, qs = drafted[i]
-            if sampler.temperature == 0:
-                tokens.append(sampler(row, ids + tokens, rng, prompt_len))
-            else:
-                qs.append(sampler.probabilities(row, ids + tokens, prompt_len))
-                tokens.append(_draw(qs[-1], rng))
-            if len(tokens) < wanted[i]:
+            try:
+                _draft_one(jobs[i], row, *drafted[i])
+            except Exception as e:  # (its own: the others draft on)
+                results[i] = e
+                continue
+            if len(drafted[i][0]) < wanted[i]:
                 going.append(i)
         if not going:
             break
@@ -255,8 +261,20 @@ def propose_all(jobs: list[tuple]) -> list[tuple[list[int], list | None]]:
         for i in active:  # (once its cache holds them)
             jobs[i][0].fed.append(drafted[i][0][-1])
     for i, (tokens, qs) in drafted.items():
-        results[i] = (tokens, qs if qs else None)
+        if not isinstance(results[i], Exception):
+            results[i] = (tokens, qs if qs else None)
     return results
+
+
+def _draft_one(job: tuple, row: np.ndarray, tokens: list[int], qs: list) -> None:
+    """A model draft's next token from its logits ``row`` (vocab,), onto ``tokens`` (and its distribution onto
+    ``qs`` when it samples)."""
+    drafter, ids, _, sampler, rng, prompt_len = job
+    if sampler.temperature == 0:
+        tokens.append(sampler(row, ids + tokens, rng, prompt_len))
+    else:
+        qs.append(sampler.probabilities(row, ids + tokens, prompt_len))
+        tokens.append(_draw(qs[-1], rng))
 
 
 class PromptLookup:

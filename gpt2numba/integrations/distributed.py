@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..decoding import speculative
-from ..errors import CacheFullError, ConfigError, GPT2NumbaError, SamplingError, TokenTypeError
+from ..errors import CacheFullError, ConfigError, GPT2NumbaError, PartialBatchError, SamplingError, TokenTypeError
 from ..model import checks
 from ..text.documents import field_of, split
 
@@ -159,7 +159,8 @@ def _source(path: str, names: list[str]) -> str:
 # The columns generate_dataset adds: the completion's text (<|endoftext|> left out) and token ids, why it
 # ended ("stop": an end-of-text id; "length": max_new_tokens), and when asked each token's log-probability;
 # with beam search, each hypothesis's score too. With num_return_sequences > 1, each holds a list of them.
-GENERATED = ("completion", "completion_ids", "finish_reason", "logprobs", "score")
+# "error": null, or what failed the row during the work ("SamplingError: ..."), its other columns then null.
+GENERATED = ("completion", "completion_ids", "finish_reason", "logprobs", "score", "error")
 _ROW = "__gpt2numba_row"  # the rows' numbers generate_dataset adds for seeded sampling (not in the output)
 
 
@@ -185,7 +186,9 @@ def generate_dataset(ds, model: str | None, *, column: str = "prompt", max_new_t
                      concurrency: int | None = None, batch_size: int = 64, **settings):
     """``ds`` (a ray.data.Dataset with a prompt column) plus the columns of GENERATED: completion,
     completion_ids, finish_reason ("stop" or "length"), logprobs (with ``logprobs``: the model's
-    log-probability of each token, float64) and score (beam search's).
+    log-probability of each token, float64), score (beam search's) and error: null, or for a row whose
+    generation failed during the work (a sample of it: generate_batch's PartialBatchError) the type and
+    message of its error, its other columns then null; the other rows are as without it.
 
     A prompt is text (an empty one starts from <|endoftext|>, as elsewhere) or a list of token ids (an
     empty list too). Each worker generates for batch_size rows at a time, all in flight together: with
@@ -373,31 +376,43 @@ class _Generator:
         n = self.job.n
         tokens = [[] for _ in range(len(prompts) * n)]
         logprobs = [[] for _ in tokens] if self.job.logprobs else None
-        for i, token, _, row in _batch_steps(prompts, self.w, streams=rows, **self.job.options):
-            tokens[i].append(token)
-            if logprobs is not None:
-                logprobs[i].append(float(log_softmax(row[None])[0, token]))
-        return [[(tokens[i], None if logprobs is None else logprobs[i], None) for i in range(k * n, k * n + n)]
+        errors = {}  # prompt -> the error of its first sample that failed
+        try:
+            for i, token, _, row in _batch_steps(prompts, self.w, streams=rows, **self.job.options):
+                tokens[i].append(token)
+                if logprobs is not None:
+                    logprobs[i].append(float(log_softmax(row[None])[0, token]))
+        except PartialBatchError as e:  # (the other rows finished)
+            for i in sorted(e.errors):
+                errors.setdefault(i // n, e.errors[i])
+        return [errors[k] if k in errors else
+                [(tokens[i], None if logprobs is None else logprobs[i], None) for i in range(k * n, k * n + n)]
                 for k in range(len(prompts))]
 
-    def _beams(self, prompts) -> list[list[tuple]]:
-        """beam_search_batch over the block: per prompt, its best hypotheses as (ids, logprobs, score); the
-        log-probabilities, when asked, from score_batch over the prompt and the hypothesis."""
+    def _beams(self, prompts) -> list[list[tuple] | Exception]:
+        """beam_search_batch over the block: per prompt, its best hypotheses as (ids, logprobs, score), or the
+        error that failed its search; the log-probabilities, when asked, from score_batch over the prompt and
+        the hypothesis."""
         from ..decoding.beams import beam_search_batch
         from ..text.scoring import score_batch
 
-        found = beam_search_batch(prompts, self.w, **self.job.options)
+        try:
+            found, errors = beam_search_batch(prompts, self.w, **self.job.options), {}
+        except PartialBatchError as e:  # (the other rows finished)
+            found, errors = [hypotheses or [] for hypotheses in e.results], e.errors
         logprobs = None
         if self.job.logprobs:
-            pairs = [(ids, h.ids) for ids, hypotheses in zip(prompts, found) for h in hypotheses]
-            scores = iter(score_batch([ids + new for ids, new in pairs], self.w, kv_dtype=self.job.options["kv_dtype"]))
+            pairs = [ids + h.ids for ids, hypotheses in zip(prompts, found) for h in hypotheses]
+            scores = iter(score_batch(pairs, self.w, kv_dtype=self.job.options["kv_dtype"]) if pairs else [])
             logprobs = [[next(scores).logprobs[len(ids) - 1:].tolist() for h in hs] for ids, hs in zip(prompts, found)]
-        return [[(h.ids, None if logprobs is None else logprobs[k][j], h.score) for j, h in enumerate(hypotheses)]
+        return [errors[k] if k in errors else
+                [(h.ids, None if logprobs is None else logprobs[k][j], h.score) for j, h in enumerate(hypotheses)]
                 for k, hypotheses in enumerate(found)]
 
 
-def _columns(found: list[list[tuple]], job: _Generation, tokenizer) -> dict:
-    """The GENERATED columns (pyarrow arrays) of the completions found: per prompt, n (ids, logprobs, score)."""
+def _columns(found: list[list[tuple] | Exception], job: _Generation, tokenizer) -> dict:
+    """The GENERATED columns (pyarrow arrays) of the completions found: per prompt, n (ids, logprobs, score), or
+    the exception that failed it (its columns null but its error)."""
     import pyarrow as pa
 
     eot = tokenizer.eot_id
@@ -409,8 +424,12 @@ def _columns(found: list[list[tuple]], job: _Generation, tokenizer) -> dict:
     if job.beams:
         kinds["score"] = (pa.float64(), lambda ids, lp, score: score)
     columns = {}
+    failed = [isinstance(completions, Exception) for completions in found]
     for name, (kind, value) in kinds.items():
-        per_prompt = [[value(*completion) for completion in completions] for completions in found]
-        columns[name] = (pa.array([values[0] for values in per_prompt], kind) if job.n == 1
-                         else pa.array(per_prompt, pa.list_(kind)))
+        per_prompt = [None if bad else [value(*completion) for completion in completions]
+                      for completions, bad in zip(found, failed)]
+        columns[name] = (pa.array([None if bad else values[0] for values, bad in zip(per_prompt, failed)], kind)
+                         if job.n == 1 else pa.array(per_prompt, pa.list_(kind)))
+    columns["error"] = pa.array([f"{type(e).__name__}: {e}" if bad else None for e, bad in zip(found, failed)],
+                                pa.string())
     return columns

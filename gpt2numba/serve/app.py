@@ -199,8 +199,9 @@ class Routes:
                 event = await get
                 if isinstance(event, Done):
                     return
-                if isinstance(event, Failed):
-                    raise ApiError(event.status, event.message, kind="server_error")
+                if isinstance(event, Failed):  # (400: the request's own settings failed it; 500, 503: the server)
+                    raise ApiError(event.status, event.message,
+                                   kind="invalid_request_error" if event.status < 500 else "server_error")
                 yield event
         finally:
             for future in (get, gone):

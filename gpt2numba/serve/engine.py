@@ -11,6 +11,12 @@ and out, and when a request's first token and its end come.
 
 Memory follows the batch: nothing is built for a choice until it starts, and a sequence's cache goes
 the moment it leaves (finished, cancelled or failed), whoever still holds the job.
+
+A request's fault is its own: what its sequences' work raises in a step (sampling, constraint, draft: the
+batch's Faults) or its handling of their tokens (stop strings, log-probabilities) fails that request alone,
+its other choices cancelled, and the other requests go on as without it. A client's error (CLIENT_ERRORS) is a
+400 with its message, anything else a 500 that names it, logged. What the step's forward pass raises fails every
+request in flight.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ import time
 import numpy as np
 
 from ..decoding import speculative
-from ..decoding.batching import Batch, Sequence, SharedPrompt
+from ..decoding.batching import Batch, Fault, Sequence, SharedPrompt
 from ..decoding.constraints import Constraint
 from ..decoding.prefixes import PrefixCache
 from ..decoding.sample import Sampler
+from ..errors import GrammarError, SamplingError
 from ..model.forward import prefill
 from ..model.kvcache import ModelCache
 from ..model.weights import GPT2Weights
@@ -44,6 +51,9 @@ log = logging.getLogger("gpt2numba.serve")
 __all__ = ["Completion", "Engine", "Job", "LOGPROB_ROWS", "QueueFull", "Watcher"]
 
 SHUTTING_DOWN = "the server is shutting down"
+# What a request's own settings cause during its work: settings that leave its sampler no token, a constraint
+# llguidance gives up on. Told to its client as they are (400); anything else is the server's (500).
+CLIENT_ERRORS = (SamplingError, GrammarError)
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
@@ -289,10 +299,19 @@ class Engine:
             self._flush()
             return True
         delivered = 0
-        for sequence, token, done, row in steps:
-            if sequence in self._owner:  # (not one a stop string ended at an earlier token of this step)
-                self._on_token(*self._owner[sequence], token, done, row)
-                delivered += 1
+        for out in steps:
+            if isinstance(out, Fault):
+                if out.sequence in self._owner:  # (not one whose request failed earlier in this step)
+                    self._fault(self._owner[out.sequence][0], out.error)
+                continue
+            sequence, token, done, row = out
+            if sequence in self._owner:  # (not one a stop string or a fault ended earlier in this step)
+                job, choice = self._owner[sequence]
+                try:
+                    self._on_token(job, choice, token, done, row)
+                    delivered += 1
+                except Exception as e:  # (its stop strings', its log-probabilities': this request's alone)
+                    self._fault(job, e)
         self.metrics.step(delivered)
         self._flush()
         return True
@@ -330,6 +349,7 @@ class Engine:
         """A sequence leaves: out of the batch (its cache freed there) and out of its choice."""
         if sequence in self.batch.sequences or sequence in self.batch.paused:
             self.batch.remove(sequence)
+            self.batch.in_flight = self.batch.positions()  # (what /metrics reads, while the engine may wait)
         _, choice = self._owner.pop(sequence)
         choice.sequence = None
 
@@ -369,9 +389,8 @@ class Engine:
             job, index = head
             try:
                 self._start(job, index)
-            except Exception as e:  # a bug: this request fails, the others go on
-                log.exception("starting a request failed")
-                self._fail(job, f"internal error: {type(e).__name__}: {e}")
+            except Exception as e:  # this request fails, the others go on
+                self._fault(job, e)
 
     def _need(self, job: Job, index: int) -> int:
         """The cache positions choice ``index`` of ``job`` would reserve if it started now (Batch.need)."""
@@ -456,6 +475,15 @@ class Engine:
         if job.unfinished == 0:
             self._emit(job, Done())
             self.metrics.request_done(now - job.since)
+
+    def _fault(self, job: Job, error: Exception) -> None:
+        """A request's own work raised ``error``: it fails alone, a client's error (CLIENT_ERRORS) with its
+        message (400), anything else as an internal error that names it (500), logged."""
+        if isinstance(error, CLIENT_ERRORS):
+            self._fail(job, str(error), 400)
+            return
+        log.error("a request failed: %s: %s", type(error).__name__, error, exc_info=error)
+        self._fail(job, f"internal error: {type(error).__name__}: {error}")
 
     def _fail(self, job: Job, message: str, status: int = 500) -> None:
         for sequence, (owner, _) in list(self._owner.items()):

@@ -40,7 +40,8 @@ class Done:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Failed:
-    """The engine gives up on the request: the error's message and its HTTP status (500, or 503 at shutdown)."""
+    """The engine gives up on the request: the error's message and its HTTP status (400: its own settings failed
+    it during the work; 500; 503 at shutdown)."""
 
     message: str
     status: int
