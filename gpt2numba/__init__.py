@@ -54,3 +54,7 @@ __all__ = [
     "Constraint", "constraint",
 ]
 __version__ = "0.1.0"
+
+from .cpu import numbacache as _numbacache
+
+_numbacache.guard(__name__)  # every kernel's cache files under a lock, for processes compiling at once

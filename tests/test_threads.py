@@ -32,7 +32,7 @@ import gpt2numba as g
 sys.path.insert(0, 'tests')
 from conftest import TINY
 out = {}
-for dtype in ("float32", "bfloat16", "int8", "int4"):
+for dtype in DTYPES:
     w = g.random_weights(TINY, seed=1, dtype=dtype)
     mc = g.ModelCache(TINY)
     rows = [g.prefill(np.arange(1, 60) * 7 % 512, w, mc, logits="all"), g.decode_step(3, w, mc)[None]]
@@ -47,14 +47,16 @@ json.dump(out, sys.stdout)
 """
 
 
-def _digests(env=None) -> dict:
-    """The script's digests, run here (env None) or in a fresh process with ``env`` added."""
+def _digests(env=None, dtypes=("float32", "bfloat16", "int8", "int4"), timeout=540) -> dict:
+    """The script's digests for weights of ``dtypes``, run here (env None) or in a fresh process with ``env``
+    added."""
+    script = f"DTYPES = {tuple(dtypes)!r}\n{_SCRIPT}"
     if env is None:
         scope = {}
-        exec(compile(_SCRIPT.replace("json.dump(out, sys.stdout)", ""), "<threads>", "exec"), scope)
+        exec(compile(script.replace("json.dump(out, sys.stdout)", ""), "<threads>", "exec"), scope)
         return scope["out"]
     import os
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=540,
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
     if done.returncode:
         if "No threading layer could be loaded" in done.stderr or "is not available" in done.stderr:
@@ -80,6 +82,17 @@ def test_every_threading_layer_gives_the_same_bits(layer):
     """Each of Numba's layers on its own (GPT2NUMBA_POOL=0), in its own process (a process picks its layer
     once), against this one's regions on gpt2numba's pool."""
     assert _digests({"NUMBA_THREADING_LAYER": layer, "NUMBA_NUM_THREADS": "2", "GPT2NUMBA_POOL": "0"}) == _digests()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_process_on_a_cold_cache_gives_the_bits_of_a_warm_one(tmp_path):
+    """A process that compiles its kernels itself (an empty Numba cache) against this one, which loads what the
+    suite's warm-up compiled in several processes at once (where Numba's cache once let one signature's index
+    entry name another's code: cpu/numbacache.py). float32 and int8: BLAS, the row tiles, the integer kernels
+    and tiles, and every kernel the formats share; a cold compile of them takes minutes on 2 busy cores."""
+    formats = ("float32", "int8")
+    assert _digests({"NUMBA_CACHE_DIR": str(tmp_path)}, formats, timeout=1100) == _digests(dtypes=formats)
 
 
 def test_more_threads_than_cpus_give_the_same_bits():

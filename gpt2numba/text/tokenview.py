@@ -18,6 +18,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from ..cpu import numbacache
 from ..cpu.chunks import _claimed
 from ..cpu.kernels import FASTMATH, _exp_inplace
 from ..errors import ConfigError, TokenError, TokenTypeError
@@ -172,3 +173,6 @@ class _Texts:
         if text is None:
             text = self._text[token] = self.tokenizer.decode([token])
         return text
+
+
+numbacache.guard(__name__)  # (a module imported after the package's own guard)
