@@ -359,7 +359,7 @@ def test_planted_faults_fail_their_requests_alone(model, monkeypatch):
     from starlette.testclient import TestClient
 
     from gpt2numba import serve
-    from gpt2numba.serve import engine as engine_module
+    from gpt2numba.serve import jobs
     from test_serve_metrics import families, gauges, histogram, statuses, value
     from test_serve_speculative import _same
 
@@ -407,7 +407,7 @@ def test_planted_faults_fail_their_requests_alone(model, monkeypatch):
             if not hit:
                 assert status == 200 and _same(answered, expected), (server, r, body, answered, expected)
                 assert tokens.get(first) == clean_tokens.get(first), (server, r)
-            elif hit[0].error in engine_module.CLIENT_ERRORS:
+            elif hit[0].error in jobs.CLIENT_ERRORS:
                 assert status == 400 and answered["type"] == "invalid_request_error", (server, r, answered)
                 assert answered["message"] == f"planted {hit[0].site} fault" or (
                     hit[0].error is g.GrammarError and "does not follow it" in answered["message"]), answered
