@@ -600,7 +600,7 @@ def test_an_option_with_an_optional_value_takes_no_file_or_prompt(tmp_path, gpt2
     assert r.returncode == 2 and "--ray goes with --prompts-file" in r.stderr, r.stderr  # "Hello" is PROMPT
     r = run("generate", "--eos-token-id", "50256", "Hello", "--model", gpt2_vocab[0], "--max-new-tokens", "2")
     assert r.returncode == 0 and r.stdout.startswith("Hello"), r.stderr
-    from gpt2numba.cli.commands import _unswallowed, build_parser  # (the words as the command line reads them)
+    from gpt2numba.cli.options import build_parser, unswallowed  # (the words as the command line reads them)
 
     parse = build_parser().parse_args
     for argv, ray, files in [(["--ray", "a.txt"], "local", ["a.txt"]), (["a.txt", "--ray"], "local", ["a.txt"]),
@@ -608,9 +608,9 @@ def test_an_option_with_an_optional_value_takes_no_file_or_prompt(tmp_path, gpt2
                              (["--ray", "10.0.0.1:6379", "a.txt", "b.txt"], "10.0.0.1:6379", ["a.txt", "b.txt"]),
                              (["--ray", "auto", "a.txt"], "auto", ["a.txt"]), (["--ray=odd", "a.txt"], "odd", ["a.txt"]),
                              (["--ray", "-"], "local", ["-"]), (["--ray", "--lines", "a.txt"], "local", ["a.txt"])]:
-        args = parse(_unswallowed(["score", *argv]))
+        args = parse(unswallowed(["score", *argv]))
         assert (args.ray, args.files) == (ray, files), argv
-    args = parse(_unswallowed(["generate", "--eos-token-id", "7", "8", "Hi", "--seed", "1"]))
+    args = parse(unswallowed(["generate", "--eos-token-id", "7", "8", "Hi", "--seed", "1"]))
     assert (args.eos_token_id, args.prompt, args.seed) == ([7, 8], "Hi", 1)
 
 

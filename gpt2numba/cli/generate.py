@@ -1,5 +1,5 @@
 """gpt2numba generate: which flags go together, then sampling (streamed, or several samples) or beam search, for one
-PROMPT or a prompts file (one JSON line per prompt, or per sample). The flags themselves are defined in commands.py
+PROMPT or a prompts file (one JSON line per prompt, or per sample). The flags themselves are defined in options.py
 with the other commands'; their names here are argparse's (``--top-k`` is ``top_k``)."""
 
 from __future__ import annotations
