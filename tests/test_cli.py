@@ -36,7 +36,7 @@ def test_check_compact_dtypes(tmp_path):
         r = run("check", "--model", str(tmp_path), "--dtype", dtype, "--prompts", "1", "--prompt-len", "9",
                 "--decode", "2")
         assert r.returncode == 0, r.stderr
-        assert dtype in r.stdout and "all of 1 prompts and the batch match the oracle" in r.stdout
+        assert dtype in r.stdout and "all of 1 prompt and the batch match the oracle" in r.stdout
 
 
 def test_check_default_weights_from_environment(tmp_path):
@@ -617,7 +617,7 @@ def test_an_option_with_an_optional_value_takes_no_file_or_prompt(tmp_path, gpt2
 def test_a_summary_of_no_work_shows_no_rate(tmp_path, gpt2_vocab):
     """No new token, one new token, a batch of no new tokens, a corpus with nothing to score: the summary says what
     was done and shows no rate where nothing was timed (it said "prefill 1000000000 tokens/s", "decode nan
-    ms/token", "0 tokens/s", "perplexity nan")."""
+    ms/token", "0 tokens/s", "perplexity nan"); a noun is plural by its count (it said "1 documents")."""
     (tmp_path / "p.txt").write_text("Hi\nHello there\n")
     (tmp_path / "one.txt").write_text("Hello")  # one token: nothing to score
     model = ["--model", gpt2_vocab[0]]
@@ -629,8 +629,10 @@ def test_a_summary_of_no_work_shows_no_rate(tmp_path, gpt2_vocab):
         assert not re.search(r"\bnan\b|/s\b|1000000000", line), line
         return line
 
-    assert "1 prompt tokens, 0 new tokens; " in summary("generate", "Hello", "--max-new-tokens", "0")
+    assert "1 prompt token, 0 new tokens; " in summary("generate", "Hello", "--max-new-tokens", "0")
     line = summary("generate", "Hello", "--max-new-tokens", "1")
-    assert "1 new tokens; first token after " in line and "no decode step" in line, line
+    assert "1 prompt token, 1 new token; first token after " in line and "no decode step" in line, line
     assert "2 prompts, 0 new tokens in " in summary("generate", "--prompts-file", "p.txt", "--max-new-tokens", "0")
-    assert "1 documents, 0 tokens scored; " in summary("score", "one.txt")
+    r = run("generate", "--prompts-file", "one.txt", "--max-new-tokens", "1", *model, cwd=tmp_path)  # (a rate)
+    assert r.returncode == 0 and "gpt2numba: 1 prompt, 1 new token in " in r.stderr, r.stderr
+    assert "1 document, 0 tokens scored; " in summary("score", "one.txt")

@@ -24,7 +24,7 @@ from ..text.documents import field_of, read, split, utf8
 from ..serve.config import ServeConfig, flags as serve_flags  # (no web framework)
 from . import generate
 from .options import build_parser, unswallowed
-from .summary import rate
+from .summary import count, rate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +137,7 @@ def _score(args) -> int:
                 bar.update(len(ids))
     seconds = time.perf_counter() - t0
     speed = rate(tokens, seconds)
-    print(f"gpt2numba: {len(docs)} documents, {tokens} tokens scored{_totals(nll, tokens, n_bytes)}; "
+    print(f"gpt2numba: {count(len(docs), 'document')}, {count(tokens, 'token')} scored{_totals(nll, tokens, n_bytes)}; "
           f"{seconds:.1f} s" + (f", {speed}" if speed else ""), file=sys.stderr)
     if failure is not None:
         raise failure
@@ -162,7 +162,8 @@ def _score_html(args) -> int:
     with open(args.html, "w", encoding="utf-8") as f:  # (an error names the file as typed)
         f.write(html_report(documents, source))
     tokens = sum(len(d.inspection.ids) for d in documents if d.inspection is not None)
-    print(f"gpt2numba: wrote {args.html}: {len(documents)} documents, {tokens} tokens", file=sys.stderr)
+    print(f"gpt2numba: wrote {args.html}: {count(len(documents), 'document')}, {count(tokens, 'token')}",
+          file=sys.stderr)
     return 0
 
 
@@ -196,7 +197,8 @@ def _score_ray(args) -> int:
             nll += float(batch["nll"].sum())
     seconds = time.perf_counter() - t0
     speed = rate(tokens, seconds)
-    print(f"gpt2numba: {docs} documents on Ray, {tokens} tokens scored{_totals(nll, tokens)}; {seconds:.1f} s with "
+    print(f"gpt2numba: {count(docs, 'document')} on Ray, {count(tokens, 'token')} scored{_totals(nll, tokens)}; "
+          f"{seconds:.1f} s with "
           f"the cluster's start" + (f", {speed}" if speed else "") + (f"; written to {args.output}" if args.output
                                                                      else ""), file=sys.stderr)
     return 0
@@ -290,7 +292,7 @@ def _check(args) -> int:
         failures += not ok
         worst = max(worst, *(d[0] for d in diffs))
         decode_ms = f"{1e3 * np.median(decode_s):.1f} ms/token" if decode_s else "-"
-        print(f"prompt {n + 1}: {args.prompt_len} tokens + {args.decode} decoded, "
+        print(f"prompt {n + 1}: {count(args.prompt_len, 'token')} + {args.decode} decoded, "
               f"max |cached - oracle| {max(d[0] for d in diffs):.2e} {'ok' if ok else 'MISMATCH'}; "
               f"prefill {args.prompt_len / prefill_s:.0f} tokens/s, decode {decode_ms}")
     # batched rows against the rows each prompt got alone (the oracle already vouched for those)
@@ -303,7 +305,7 @@ def _check(args) -> int:
     decode_rate = f"{B / np.median(batch_decode_s):.0f} tokens/s" if batch_decode_s else "-"
     print(f"batch of {B}: the same prompts in one pass, max |batched - alone| {gap:.2e} {'ok' if ok else 'MISMATCH'}; "
           f"prefill {B * args.prompt_len / batch_prefill_s:.0f} tokens/s, decode {decode_rate}")
-    print(f"{'all' if not failures else failures} of {args.prompts} prompts and the batch "
+    print(f"{'all' if not failures else failures} of {count(args.prompts, 'prompt')} and the batch "
           f"{'match' if not failures else 'do NOT match'} the oracle "
           f"(allclose atol={tolerance(w)}, rtol={RTOL}, same argmax); "
           f"worst |diff| {worst:.2e}")

@@ -18,7 +18,7 @@ from ..decoding.constraints import KINDS
 from ..errors import CacheFullError, GPT2NumbaError
 from ..model.models import RANDOM_NOTE, resolve_model
 from ..text.documents import read, utf8
-from .summary import rate
+from .summary import count, rate
 
 
 # The library's settings by the flag that sets them: Sampler's alone, beam_search's alone, and both's
@@ -199,9 +199,9 @@ def _stream(prompt, w, tokenizer, slide, options, t0) -> int:
     ids = prompt_ids(prompt, tokenizer)
     context, wanted = w.config.n_positions, len(ids) + options["max_new_tokens"]
     if not slide and wanted > context:  # (generate says so too, naming its parameters: here, the flags)
-        raise CacheFullError(f"the prompt's {len(ids)} tokens and --max-new-tokens {options['max_new_tokens']} "
-                             f"make {wanted}, past the model's context of {context} positions: ask for fewer "
-                             f"new tokens, or give --slide")
+        raise CacheFullError(f"the prompt's {count(len(ids), 'token')} and --max-new-tokens "
+                             f"{options['max_new_tokens']} make {wanted}, past the model's context of {context} "
+                             "positions: ask for fewer new tokens, or give --slide")
     tokens = generate(ids, w, slide=slide, **options)
     sys.stdout.write(prompt)
     sys.stdout.flush()
@@ -213,7 +213,7 @@ def _stream(prompt, w, tokenizer, slide, options, t0) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    summary = f"{len(ids)} prompt tokens, {len(stamps)} new tokens"
+    summary = f"{count(len(ids), 'prompt token')}, {count(len(stamps), 'new token')}"
     if stamps:  # (no prefill rate: the first call's time is mostly the compiled kernels' loading)
         summary += (f"; first token after {stamps[0] - t_start:.2f} s (the first call: prefill and loading the "
                     "compiled kernels)")
@@ -236,7 +236,7 @@ def _samples(prompt, w, tokenizer, n, options, t0) -> int:
     for j, token in generate_batch([ids], w, n=n, **options):
         texts[j].append(token)
     _write_texts(prompt, texts, tokenizer)
-    print(f"gpt2numba: {len(ids)} prompt tokens, {n} samples of {', '.join(str(len(t)) for t in texts)} new "
+    print(f"gpt2numba: {count(len(ids), 'prompt token')}, {n} samples of {', '.join(str(len(t)) for t in texts)} new "
           f"tokens; {time.perf_counter() - t0:.1f} s in all", file=sys.stderr)
     return 0
 
@@ -249,9 +249,11 @@ def _beams(prompt, w, tokenizer, options, t0) -> int:
     ids = prompt_ids(prompt, tokenizer)
     found = beam_search(ids, w, **options)
     _write_texts(prompt, [h.ids for h in found], tokenizer)
-    print(f"gpt2numba: {len(ids)} prompt tokens, beam search of {options['num_beams']} beams: {len(found)} "
-          f"{'hypothesis' if len(found) == 1 else 'hypotheses'} of {', '.join(str(len(h.ids)) for h in found)} "
-          f"new tokens, scores {', '.join(f'{h.score:.4f}' for h in found)}; "
+    lengths = (count(len(found[0].ids), "new token") if len(found) == 1
+               else f"{', '.join(str(len(h.ids)) for h in found)} new tokens")
+    print(f"gpt2numba: {count(len(ids), 'prompt token')}, beam search of {options['num_beams']} beams: "
+          f"{count(len(found), 'hypothesis', 'hypotheses')} of {lengths}, "
+          f"scores {', '.join(f'{h.score:.4f}' for h in found)}; "
           f"{time.perf_counter() - t0:.1f} s in all", file=sys.stderr)
     return 0
 
@@ -316,7 +318,8 @@ def _batch(prompts, w, tokenizer, batch_size, n, options) -> int:
     seconds = time.perf_counter() - t0
     total = sum(map(len, tokens.values()))
     speed = rate(total, seconds)
-    print(f"gpt2numba: {len(prompts)} prompts{f' x {n} samples' if n > 1 else ''}, {total} new tokens in "
+    print(f"gpt2numba: {count(len(prompts), 'prompt')}{f' x {n} samples' if n > 1 else ''}, "
+          f"{count(total, 'new token')} in "
           f"{seconds:.1f} s" + (f": {speed} (batch size {min(batch_size or len(tokens), len(tokens))}, prefills "
                                 "included)" if speed else ""), file=sys.stderr)
     return 0
@@ -335,8 +338,9 @@ def _beams_batch(prompts, w, tokenizer, options) -> int:
             for h in hypotheses]}), flush=True)
     seconds = time.perf_counter() - t0
     total = sum(len(h.ids) for hypotheses in found for h in hypotheses)
-    print(f"gpt2numba: {len(prompts)} prompts, beam search of {options['num_beams']} beams: "
-          f"{sum(map(len, found))} hypotheses, {total} new tokens in {seconds:.1f} s", file=sys.stderr)
+    print(f"gpt2numba: {count(len(prompts), 'prompt')}, beam search of {options['num_beams']} beams: "
+          f"{count(sum(map(len, found)), 'hypothesis', 'hypotheses')}, {count(total, 'new token')} in "
+          f"{seconds:.1f} s", file=sys.stderr)
     return 0
 
 
@@ -365,7 +369,8 @@ def _on_ray(prompts, args, options, n, beam) -> int:
         tokens = 0  # from the blocks in hand, as score --ray counts
         for batch in generated.iter_batches(batch_size=None, batch_format="pyarrow"):
             tokens += len(pc.list_flatten(batch.column("completion_ids"), recursive=True))
-    print(f"gpt2numba: {len(prompts)} prompts{f' x {n}' if n > 1 else ''} on Ray, {tokens} new tokens; "
+    print(f"gpt2numba: {count(len(prompts), 'prompt')}{f' x {n}' if n > 1 else ''} on Ray, "
+          f"{count(tokens, 'new token')}; "
           f"{time.perf_counter() - t0:.1f} s" + (" with the cluster's start" if args.ray == "local" else "")
           + (f"; written to {args.output}" if args.output else ""), file=sys.stderr)
     return 0
