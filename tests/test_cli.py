@@ -614,6 +614,26 @@ def test_an_option_with_an_optional_value_takes_no_file_or_prompt(tmp_path, gpt2
     assert (args.eos_token_id, args.prompt, args.seed) == ([7, 8], "Hi", 1)
 
 
+def test_an_abbreviated_flag_is_refused():
+    """A flag is taken only as written in full, by every command and the benchmark: argparse took --ra for --ray
+    and --eos for --eos-token-id, past unswallowed (which knows full names), so that `score --ra corpus.txt` took
+    the file for the cluster's address and `generate --eos 13 Hello` the prompt for an id."""
+    import contextlib
+    import io
+
+    from gpt2numba import bench
+    from gpt2numba.cli.options import build_parser, unswallowed
+
+    for parser, argv, said in [(build_parser(), ["score", "--ra", "corpus.txt"], "--ra"),
+                               (build_parser(), ["generate", "--eos", "13", "Hello"], "--eos"),
+                               (build_parser(), ["generate", "Hello", "--max-new", "3"], "--max-new"),
+                               (bench._parser(), ["--thread", "2"], "--thread")]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit:
+            parser.parse_args(unswallowed(argv))
+        assert exit.value.code == 2 and f"unrecognized arguments: {said}" in err.getvalue(), (argv, err.getvalue())
+
+
 def test_a_summary_of_no_work_shows_no_rate(tmp_path, gpt2_vocab):
     """No new token, one new token, a batch of no new tokens, a corpus with nothing to score: the summary says what
     was done and shows no rate where nothing was timed (it said "prefill 1000000000 tokens/s", "decode nan

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpt2numba bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="gpt2numba bench", description=__doc__, allow_abbrev=False,  # (as gpt2numba's)
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (default: seeded random GPT-2 small, written to a temp dir)")
     p.add_argument("--threads", type=COUNT, default=2, help="threads each system runs on (default 2)")

@@ -1,6 +1,7 @@
 """Every command's flags (build_parser), each number checked against its range as it is parsed
-(argtypes.in_range), and the words before argparse reads them (unswallowed): an option whose values are optional
-or many takes only words of its values' form. commands.py runs the commands, generate.py generate's work."""
+(argtypes.in_range) and each known only by its full name, and the words before argparse reads them (unswallowed):
+an option whose values are optional or many takes only words of its values' form. commands.py runs the commands,
+generate.py generate's work."""
 
 from __future__ import annotations
 
@@ -217,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "default 10)")
 
     commands.add_parser("bench", help="the benchmark against transformers (gpt2numba bench --help)")
+    for command in (parser, *commands.choices.values()):  # flags in full only: an abbreviation (--ra for --ray)
+        command.allow_abbrev = False  # would get past unswallowed and swallow the FILE or PROMPT after it
     return parser
 
 
