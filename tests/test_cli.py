@@ -225,6 +225,8 @@ def test_generate_no_repeat_ngram_size(gpt2_vocab, tmp_path):
     (["--num-beams", "2", "--presence-penalty", "1", "--frequency-penalty", "1", "--seed", "1", "--no-stop"],
      "--presence-penalty, --frequency-penalty, --seed, --no-stop go with sampling"),
     (["--num-beams", "3", "--num-return-sequences", "4"], "--num-return-sequences 4 is more than --num-beams 3"),
+    (["--num-beams", "2", "--max-new-tokens", "0"], "--max-new-tokens 0 goes with sampling, not beam search "
+                                                    "(--num-beams 2)"),
     (["--length-penalty", "2"], "--length-penalty goes with beam search: add --num-beams N"),
     (["--num-beams", "1", "--early-stopping", "true", "--length-penalty", "1"],
      "--length-penalty, --early-stopping go with beam search"),

@@ -58,6 +58,9 @@ def conflict(args) -> str | None:
         if n > args.num_beams:
             return (f"--num-return-sequences {n} is more than --num-beams {args.num_beams}: beam search returns "
                     "at most one text per beam")
+        if args.max_new_tokens == 0:  # (beam_search's own message would name its argument, not the flag)
+            return (f"--max-new-tokens 0 goes with sampling, not beam search (--num-beams {args.num_beams}): a "
+                    "search chooses one new token or more")
         return None
     if given := _given(args, BEAM):
         return f"{_flags(given)} {_go(given)} with beam search: add --num-beams N (N > 1)"
