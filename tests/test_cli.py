@@ -578,6 +578,7 @@ def test_a_path_is_named_as_typed(tmp_path, gpt2_vocab):
     model = ["--model", gpt2_vocab[0]]
     for argv, said in [
         (["generate", "Hi", "--model", "./nope"], "checkpoint './nope' does not exist"),
+        (["bench", "--model", "./nope"], "gpt2numba: error: checkpoint './nope' does not exist"),  # (its own parser)
         (["check", "--model", "./empty/"], "checkpoint directory './empty/' has no model.safetensors"),
         (["score", "--model", "./broken", "blank.txt"], "'./broken/model.safetensors' is not a readable safetensors"),
         (["generate", "Hi", "--model", "./bad_config"], "'./bad_config/config.json' is not a readable JSON file"),
