@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..decoding.constraints import KINDS
-from ..errors import CacheFullError, GPT2NumbaError
+from ..errors import CacheFullError, GPT2NumbaError, PartialBatchError
 from ..model.models import RANDOM_NOTE, resolve_model
 from ..text.documents import read, utf8
 from .summary import count, rate
@@ -295,7 +295,8 @@ def read_prompts(path: str) -> list[str]:
 
 def _batch(prompts, w, tokenizer, batch_size, n, options) -> int:
     """One JSON line per text as it finishes (with n > 1, its "sample" j of the prompt "index"); a progress bar
-    and the aggregate tokens/s on stderr."""
+    and the aggregate tokens/s on stderr. A sequence that fails (generate_batch's PartialBatchError) gets its
+    error in place of its text once the others are done, and the command fails naming its prompt (_failed)."""
     from tqdm import tqdm
 
     from ..decoding.sample import _batch_steps, prompt_ids
@@ -304,20 +305,28 @@ def _batch(prompts, w, tokenizer, batch_size, n, options) -> int:
     tokens = {i: [] for i in range(len(prompts) * n)}  # by sequence: prompt i // n, its sample i % n
     t0 = time.perf_counter()
 
-    def write(i):
+    def write(i, error=None):
         record = {"index": i // n, "sample": i % n} if n > 1 else {"index": i}
-        record.update(prompt=prompts[i // n], text=_text(tokens[i], tokenizer), tokens=tokens[i])
+        record["prompt"] = prompts[i // n]
+        if error is None:
+            record.update(text=_text(tokens[i], tokenizer), tokens=tokens[i])
+        else:  # (its tokens so far are no text of its)
+            record["error"] = _said(error)
         print(json.dumps(record), flush=True)
         bar.update()
+    errors = {}  # sequence -> what failed it
     with tqdm(total=len(tokens), unit="prompt" if n == 1 else "sample", file=sys.stderr, desc="generate") as bar:
         pending = set(tokens)
-        for i, token, done, _ in _batch_steps(ids, w, batch_size=batch_size, n=n, **options):
-            tokens[i].append(token)
-            if done:
-                write(i)
-                pending.discard(i)
-        for i in sorted(pending):  # max_new_tokens 0: nothing was generated, still a record each
-            write(i)
+        try:
+            for i, token, done, _ in _batch_steps(ids, w, batch_size=batch_size, n=n, **options):
+                tokens[i].append(token)
+                if done:
+                    write(i)
+                    pending.discard(i)
+        except PartialBatchError as e:  # (every other sequence finished)
+            errors = e.errors
+        for i in sorted(pending):  # a failed one's error; max_new_tokens 0: nothing was generated, still a record
+            write(i, errors.get(i))
     seconds = time.perf_counter() - t0
     total = sum(map(len, tokens.values()))
     speed = rate(total, seconds)
@@ -325,32 +334,46 @@ def _batch(prompts, w, tokenizer, batch_size, n, options) -> int:
           f"{count(total, 'new token')} in "
           f"{seconds:.1f} s" + (f": {speed} (batch size {min(batch_size or len(tokens), len(tokens))}, prefills "
                                 "included)" if speed else ""), file=sys.stderr)
+    if errors:
+        by_prompt = {}
+        for i in sorted(errors):  # (a prompt's first failed sample speaks for it)
+            by_prompt.setdefault(i // n, _said(errors[i]))
+        raise _failed(by_prompt, len(prompts))
     return 0
 
 
 def _beams_batch(prompts, w, tokenizer, options) -> int:
-    """beam_search_batch over every prompt, then one JSON line per prompt with its hypotheses, best first."""
+    """beam_search_batch over every prompt, then one JSON line per prompt with its hypotheses, best first, or the
+    error that failed its search (PartialBatchError), and then the command fails naming it (_failed)."""
     from ..decoding.beams import beam_search_batch
     from ..decoding.sample import prompt_ids
 
     t0 = time.perf_counter()
-    found = beam_search_batch([prompt_ids(p, tokenizer) for p in prompts], w, **options)
+    try:
+        found, errors = beam_search_batch([prompt_ids(p, tokenizer) for p in prompts], w, **options), {}
+    except PartialBatchError as e:  # (every other search finished)
+        found = [hypotheses or [] for hypotheses in e.results]
+        errors = {i: _said(error) for i, error in e.errors.items()}
     for i, (prompt, hypotheses) in enumerate(zip(prompts, found)):
-        print(json.dumps({"index": i, "prompt": prompt, "hypotheses": [
-            {"text": _text(h.ids, tokenizer), "tokens": h.ids, "score": h.score if math.isfinite(h.score) else None}
-            for h in hypotheses]}), flush=True)
+        print(json.dumps({"index": i, "prompt": prompt, "error": errors[i]} if i in errors else {
+            "index": i, "prompt": prompt, "hypotheses": [
+                {"text": _text(h.ids, tokenizer), "tokens": h.ids, "score": h.score if math.isfinite(h.score) else None}
+                for h in hypotheses]}), flush=True)
     seconds = time.perf_counter() - t0
     total = sum(len(h.ids) for hypotheses in found for h in hypotheses)
     print(f"gpt2numba: {count(len(prompts), 'prompt')}, beam search of {options['num_beams']} beams: "
           f"{count(sum(map(len, found)), 'hypothesis', 'hypotheses')}, {count(total, 'new token')} in "
           f"{seconds:.1f} s", file=sys.stderr)
+    if errors:
+        raise _failed(errors, len(prompts))
     return 0
 
 
 def _on_ray(prompts, args, options, n, beam) -> int:
     """generate --ray: the prompts as a Ray dataset (index, prompt), generated by a pool of workers
     (distributed.generate_dataset, each row on its index's random streams); the records the in-process paths
-    write, to stdout in the prompts' order, or to --output as JSON lines or Parquet."""
+    write, to stdout in the prompts' order, or to --output as JSON lines or Parquet; a row that failed (its error
+    column) gets its error in place of the text, and the command fails naming it (_failed)."""
     from ..integrations.distributed import cluster, generate_dataset, write
 
     t0 = time.perf_counter()
@@ -369,20 +392,29 @@ def _on_ray(prompts, args, options, n, beam) -> int:
             found = [record for row in generated.iter_rows() for record in to_records(row)]
             for record in sorted(found, key=lambda r: (r["index"], r.get("sample", 0))):
                 print(json.dumps(record), flush=True)
-        tokens = 0  # from the blocks in hand, as score --ray counts
+        tokens, errors = 0, {}  # from the blocks in hand, as score --ray counts
         for batch in generated.iter_batches(batch_size=None, batch_format="pyarrow"):
             tokens += len(pc.list_flatten(batch.column("completion_ids"), recursive=True))
+            failed = zip(batch.column("index").to_pylist(), batch.column("error").to_pylist())
+            errors.update((index, error) for index, error in failed if error is not None)
     print(f"gpt2numba: {count(len(prompts), 'prompt')}{f' x {n}' if n > 1 else ''} on Ray, "
           f"{count(tokens, 'new token')}; "
           f"{time.perf_counter() - t0:.1f} s" + (" with the cluster's start" if args.ray == "local" else "")
           + (f"; written to {args.output}" if args.output else ""), file=sys.stderr)
+    if errors:
+        raise _failed(errors, len(prompts))
     return 0
 
 
 def records(row: dict, n: int, beam: bool) -> list[dict]:
     """The JSON records of a row of distributed.generate_dataset (index, prompt and the completions), as
-    _batch and _beams_batch write them: one per sample, or one per prompt with its hypotheses."""
+    _batch and _beams_batch write them: one per sample, or one per prompt with its hypotheses; a row that failed
+    (its completions null) has its error in their place, in each of its samples' records."""
     index, prompt = int(row["index"]), row["prompt"]
+    if row.get("error") is not None:
+        if n == 1 or beam:
+            return [{"index": index, "prompt": prompt, "error": row["error"]}]
+        return [{"index": index, "sample": j, "prompt": prompt, "error": row["error"]} for j in range(n)]
     texts, ids = ([row[name]] if n == 1 else list(row[name]) for name in ("completion", "completion_ids"))
     ids = [[int(t) for t in tokens] for tokens in ids]
     if beam:
@@ -394,3 +426,18 @@ def records(row: dict, n: int, beam: bool) -> list[dict]:
         return [{"index": index, "prompt": prompt, "text": texts[0], "tokens": ids[0]}]
     return [{"index": index, "sample": j, "prompt": prompt, "text": text, "tokens": tokens}
             for j, (text, tokens) in enumerate(zip(texts, ids))]
+
+
+def _said(error: Exception) -> str:
+    """An error as a record says it, and as distributed.generate_dataset's error column does: "Type: message"."""
+    return f"{type(error).__name__}: {error}"
+
+
+def _failed(errors: dict[int, str], total: int) -> GPT2NumbaError:
+    """What the command ends with once every record is written, when prompts failed: how many of ``total``,
+    which (``errors``: each one's index -> its error, as its record says it; the first ten named) and the first
+    one's error."""
+    failed = sorted(errors)
+    named = ", ".join(map(str, failed[:10])) + (", ..." if len(failed) > 10 else "")
+    return GPT2NumbaError(f"{len(failed)} of {count(total, 'prompt')} failed ({named}; their records say why), the "
+                          f"others finished; {failed[0]}: {errors[failed[0]]}")
