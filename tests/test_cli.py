@@ -36,7 +36,7 @@ def test_check_compact_dtypes(tmp_path):
         r = run("check", "--model", str(tmp_path), "--dtype", dtype, "--prompts", "1", "--prompt-len", "9",
                 "--decode", "2")
         assert r.returncode == 0, r.stderr
-        assert dtype in r.stdout and "all of 1 prompts and the batch match the oracle" in r.stdout
+        assert dtype in r.stdout and "all of 1 prompt and the batch match the oracle" in r.stdout
 
 
 def test_check_default_weights_from_environment(tmp_path):
@@ -225,6 +225,8 @@ def test_generate_no_repeat_ngram_size(gpt2_vocab, tmp_path):
     (["--num-beams", "2", "--presence-penalty", "1", "--frequency-penalty", "1", "--seed", "1", "--no-stop"],
      "--presence-penalty, --frequency-penalty, --seed, --no-stop go with sampling"),
     (["--num-beams", "3", "--num-return-sequences", "4"], "--num-return-sequences 4 is more than --num-beams 3"),
+    (["--num-beams", "2", "--max-new-tokens", "0"], "--max-new-tokens 0 goes with sampling, not beam search "
+                                                    "(--num-beams 2)"),
     (["--length-penalty", "2"], "--length-penalty goes with beam search: add --num-beams N"),
     (["--num-beams", "1", "--early-stopping", "true", "--length-penalty", "1"],
      "--length-penalty, --early-stopping go with beam search"),
@@ -576,6 +578,7 @@ def test_a_path_is_named_as_typed(tmp_path, gpt2_vocab):
     model = ["--model", gpt2_vocab[0]]
     for argv, said in [
         (["generate", "Hi", "--model", "./nope"], "checkpoint './nope' does not exist"),
+        (["bench", "--model", "./nope"], "gpt2numba: error: checkpoint './nope' does not exist"),  # (its own parser)
         (["check", "--model", "./empty/"], "checkpoint directory './empty/' has no model.safetensors"),
         (["score", "--model", "./broken", "blank.txt"], "'./broken/model.safetensors' is not a readable safetensors"),
         (["generate", "Hi", "--model", "./bad_config"], "'./bad_config/config.json' is not a readable JSON file"),
@@ -600,7 +603,7 @@ def test_an_option_with_an_optional_value_takes_no_file_or_prompt(tmp_path, gpt2
     assert r.returncode == 2 and "--ray goes with --prompts-file" in r.stderr, r.stderr  # "Hello" is PROMPT
     r = run("generate", "--eos-token-id", "50256", "Hello", "--model", gpt2_vocab[0], "--max-new-tokens", "2")
     assert r.returncode == 0 and r.stdout.startswith("Hello"), r.stderr
-    from gpt2numba.cli.commands import _unswallowed, build_parser  # (the words as the command line reads them)
+    from gpt2numba.cli.options import build_parser, unswallowed  # (the words as the command line reads them)
 
     parse = build_parser().parse_args
     for argv, ray, files in [(["--ray", "a.txt"], "local", ["a.txt"]), (["a.txt", "--ray"], "local", ["a.txt"]),
@@ -608,16 +611,36 @@ def test_an_option_with_an_optional_value_takes_no_file_or_prompt(tmp_path, gpt2
                              (["--ray", "10.0.0.1:6379", "a.txt", "b.txt"], "10.0.0.1:6379", ["a.txt", "b.txt"]),
                              (["--ray", "auto", "a.txt"], "auto", ["a.txt"]), (["--ray=odd", "a.txt"], "odd", ["a.txt"]),
                              (["--ray", "-"], "local", ["-"]), (["--ray", "--lines", "a.txt"], "local", ["a.txt"])]:
-        args = parse(_unswallowed(["score", *argv]))
+        args = parse(unswallowed(["score", *argv]))
         assert (args.ray, args.files) == (ray, files), argv
-    args = parse(_unswallowed(["generate", "--eos-token-id", "7", "8", "Hi", "--seed", "1"]))
+    args = parse(unswallowed(["generate", "--eos-token-id", "7", "8", "Hi", "--seed", "1"]))
     assert (args.eos_token_id, args.prompt, args.seed) == ([7, 8], "Hi", 1)
+
+
+def test_an_abbreviated_flag_is_refused():
+    """A flag is taken only as written in full, by every command and the benchmark: argparse took --ra for --ray
+    and --eos for --eos-token-id, past unswallowed (which knows full names), so that `score --ra corpus.txt` took
+    the file for the cluster's address and `generate --eos 13 Hello` the prompt for an id."""
+    import contextlib
+    import io
+
+    from gpt2numba import bench
+    from gpt2numba.cli.options import build_parser, unswallowed
+
+    for parser, argv, said in [(build_parser(), ["score", "--ra", "corpus.txt"], "--ra"),
+                               (build_parser(), ["generate", "--eos", "13", "Hello"], "--eos"),
+                               (build_parser(), ["generate", "Hello", "--max-new", "3"], "--max-new"),
+                               (bench._parser(), ["--thread", "2"], "--thread")]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit:
+            parser.parse_args(unswallowed(argv))
+        assert exit.value.code == 2 and f"unrecognized arguments: {said}" in err.getvalue(), (argv, err.getvalue())
 
 
 def test_a_summary_of_no_work_shows_no_rate(tmp_path, gpt2_vocab):
     """No new token, one new token, a batch of no new tokens, a corpus with nothing to score: the summary says what
     was done and shows no rate where nothing was timed (it said "prefill 1000000000 tokens/s", "decode nan
-    ms/token", "0 tokens/s", "perplexity nan")."""
+    ms/token", "0 tokens/s", "perplexity nan"); a noun is plural by its count (it said "1 documents")."""
     (tmp_path / "p.txt").write_text("Hi\nHello there\n")
     (tmp_path / "one.txt").write_text("Hello")  # one token: nothing to score
     model = ["--model", gpt2_vocab[0]]
@@ -629,8 +652,10 @@ def test_a_summary_of_no_work_shows_no_rate(tmp_path, gpt2_vocab):
         assert not re.search(r"\bnan\b|/s\b|1000000000", line), line
         return line
 
-    assert "1 prompt tokens, 0 new tokens; " in summary("generate", "Hello", "--max-new-tokens", "0")
+    assert "1 prompt token, 0 new tokens; " in summary("generate", "Hello", "--max-new-tokens", "0")
     line = summary("generate", "Hello", "--max-new-tokens", "1")
-    assert "1 new tokens; first token after " in line and "no decode step" in line, line
+    assert "1 prompt token, 1 new token; first token after " in line and "no decode step" in line, line
     assert "2 prompts, 0 new tokens in " in summary("generate", "--prompts-file", "p.txt", "--max-new-tokens", "0")
-    assert "1 documents, 0 tokens scored; " in summary("score", "one.txt")
+    r = run("generate", "--prompts-file", "one.txt", "--max-new-tokens", "1", *model, cwd=tmp_path)  # (a rate)
+    assert r.returncode == 0 and "gpt2numba: 1 prompt, 1 new token in " in r.stderr, r.stderr
+    assert "1 document, 0 tokens scored; " in summary("score", "one.txt")

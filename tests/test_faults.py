@@ -270,6 +270,86 @@ def test_a_ray_worker_writes_a_failed_row_s_error(tiny, monkeypatch):
     assert all(r["error"] is None for r in clean) and all(len(r["logprobs"]) == 2 for r in rows[1:])
 
 
+
+class _Dataset:
+    """What generate --ray uses of a Ray dataset, over a pyarrow table in hand: map_batches runs the real worker
+    on the table, here (its weights the test's)."""
+
+    def __init__(self, table, w=None):
+        self.table, self.w = table, w
+
+    def map_batches(self, worker, fn_constructor_args, **_):
+        generator = worker.__new__(worker)  # (its __init__ loads weights and sets the process's threads)
+        generator.w, generator.tokenizer, generator.job = self.w, g.load_tokenizer(), fn_constructor_args[-1]
+        return _Dataset(generator(self.table))
+
+    def materialize(self):
+        return self
+
+    def iter_rows(self):
+        return iter(self.table.to_pylist())
+
+    def iter_batches(self, batch_size=None, batch_format="pyarrow"):
+        yield self.table
+
+
+def test_the_generate_command_writes_a_failed_prompt_s_error_and_exits_1(model, monkeypatch, tmp_path, capsys):
+    """generate --prompts-file, in-process and --ray (its workers run here, on a table: no cluster), sampling 2
+    samples a prompt and beam search: the prompt whose work fails gets records with its error in place of the
+    text, the others are a clean run's, both paths write the same records, and the command exits 1 after them
+    naming the prompt. Catches: --ray's records() failing on the row's null completions (was: TypeError), the
+    failed prompt left without a record in-process (was) and every record lost with beam search (was), the error
+    naming sequences (was: "2 of 6 failed (2, 3)"), an exit 0."""
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("ray")
+    import contextlib
+    import types
+
+    import pyarrow as pa
+
+    from checkpoints import write_dir
+    from gpt2numba.cli import main
+    from gpt2numba.integrations import distributed
+
+    w, tok = model
+    write_dir(w, tmp_path / "model")
+    texts = ["Hello world", "Once upon a time", "The cat"]
+    (tmp_path / "p.txt").write_text("\n".join(texts) + "\n")
+    command = ["generate", "--prompts-file", str(tmp_path / "p.txt"), "--max-new-tokens", "4"]
+    ray = types.SimpleNamespace(data=types.SimpleNamespace(from_items=lambda rows: _Dataset(pa.Table.from_pylist(rows),
+                                                                                          w)))
+
+    @contextlib.contextmanager
+    def cluster(address):
+        yield ray
+
+    monkeypatch.setattr(distributed, "cluster", cluster)
+    monkeypatch.setattr(distributed, "_pool", lambda threads, concurrency, batch_size: (1, 1))
+
+    def run(*flags):
+        code = main([*command, *flags])
+        out, err = capsys.readouterr()
+        found = sorted((json.loads(line) for line in out.splitlines()), key=lambda r: (r["index"], r.get("sample", 0)))
+        return code, found, err
+
+    for flags in (["--seed", "2", "--num-return-sequences", "2"], ["--num-beams", "2", "--num-return-sequences", "2"]):
+        clean = run(*flags, "--model", str(tmp_path / "model"))
+        faults = Faults(monkeypatch)
+        faults.plan = {tuple(tok.encode(texts[1])): Planted("sample", 2, g.SamplingError)}
+        in_process, on_ray = run(*flags, "--model", str(tmp_path / "model")), run(*flags, "--ray")
+        faults.plan = {}
+        assert clean[0] == 0 and in_process[0] == on_ray[0] == 1, (in_process[2], on_ray[2])
+        assert in_process[1] == on_ray[1]
+        failed = [r for r in in_process[1] if r["index"] == 1]
+        error = {"prompt": texts[1], "error": "SamplingError: planted sample fault"}
+        assert failed == ([{"index": 1, **error}] if "--num-beams" in flags else
+                          [{"index": 1, "sample": j, **error} for j in range(2)])
+        others = [r for r in in_process[1] if r["index"] != 1]
+        assert [r for r in clean[1] if r["index"] != 1] == others and len(others) == len(clean[1]) - len(failed)
+        for _, _, err in (in_process, on_ray):
+            assert "gpt2numba: error: 1 of 3 prompts failed (1; their records say why), the others finished; " \
+                   "1: SamplingError: planted sample fault" in err, err
+
 # The server: requests of mixed settings to three servers (no draft; the model's int4 drafting two tokens; prompt
 # lookup), all at once, first clean and then with faults planted in 40% of them.
 SERVERS = [{}, {"draft": "int4", "num_speculative_tokens": 2}, {"prompt_lookup": 3}]
@@ -359,7 +439,7 @@ def test_planted_faults_fail_their_requests_alone(model, monkeypatch):
     from starlette.testclient import TestClient
 
     from gpt2numba import serve
-    from gpt2numba.serve import engine as engine_module
+    from gpt2numba.serve import jobs
     from test_serve_metrics import families, gauges, histogram, statuses, value
     from test_serve_speculative import _same
 
@@ -407,7 +487,7 @@ def test_planted_faults_fail_their_requests_alone(model, monkeypatch):
             if not hit:
                 assert status == 200 and _same(answered, expected), (server, r, body, answered, expected)
                 assert tokens.get(first) == clean_tokens.get(first), (server, r)
-            elif hit[0].error in engine_module.CLIENT_ERRORS:
+            elif hit[0].error in jobs.CLIENT_ERRORS:
                 assert status == 400 and answered["type"] == "invalid_request_error", (server, r, answered)
                 assert answered["message"] == f"planted {hit[0].site} fault" or (
                     hit[0].error is g.GrammarError and "does not follow it" in answered["message"]), answered

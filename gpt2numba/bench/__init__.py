@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -57,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model_dir = Path(tmp, "gpt2-small-random")
             g.save_weights(g.random_weights(g.GPT2Config.small(), seed=0), model_dir)
-        w = g.load_weights(args.model or model_dir)  # (--model as typed: an error names it so)
+        try:
+            w = g.load_weights(args.model or model_dir)  # (--model as typed: an error names it so)
+        except (g.GPT2NumbaError, OSError) as e:  # on one line, as gpt2numba's other commands say it
+            print(f"gpt2numba: error: {e}", file=sys.stderr)
+            return 1
         report["model"] = str(args.model or "random GPT-2 small (seed 0)")
         report.update(section.run(args, model_dir, w))
     section.print_report(report)
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpt2numba bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="gpt2numba bench", description=__doc__, allow_abbrev=False,  # (as gpt2numba's)
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (default: seeded random GPT-2 small, written to a temp dir)")
     p.add_argument("--threads", type=COUNT, default=2, help="threads each system runs on (default 2)")

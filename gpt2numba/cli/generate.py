@@ -1,5 +1,5 @@
 """gpt2numba generate: which flags go together, then sampling (streamed, or several samples) or beam search, for one
-PROMPT or a prompts file (one JSON line per prompt, or per sample). The flags themselves are defined in commands.py
+PROMPT or a prompts file (one JSON line per prompt, or per sample). The flags themselves are defined in options.py
 with the other commands'; their names here are argparse's (``--top-k`` is ``top_k``)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from ..decoding.constraints import KINDS
-from ..errors import CacheFullError, GPT2NumbaError
+from ..errors import CacheFullError, GPT2NumbaError, PartialBatchError
 from ..model.models import RANDOM_NOTE, resolve_model
 from ..text.documents import read, utf8
-from .summary import rate
+from .summary import count, rate
 
 
 # The library's settings by the flag that sets them: Sampler's alone, beam_search's alone, and both's
@@ -58,6 +58,9 @@ def conflict(args) -> str | None:
         if n > args.num_beams:
             return (f"--num-return-sequences {n} is more than --num-beams {args.num_beams}: beam search returns "
                     "at most one text per beam")
+        if args.max_new_tokens == 0:  # (beam_search's own message would name its argument, not the flag)
+            return (f"--max-new-tokens 0 goes with sampling, not beam search (--num-beams {args.num_beams}): a "
+                    "search chooses one new token or more")
         return None
     if given := _given(args, BEAM):
         return f"{_flags(given)} {_go(given)} with beam search: add --num-beams N (N > 1)"
@@ -199,9 +202,9 @@ def _stream(prompt, w, tokenizer, slide, options, t0) -> int:
     ids = prompt_ids(prompt, tokenizer)
     context, wanted = w.config.n_positions, len(ids) + options["max_new_tokens"]
     if not slide and wanted > context:  # (generate says so too, naming its parameters: here, the flags)
-        raise CacheFullError(f"the prompt's {len(ids)} tokens and --max-new-tokens {options['max_new_tokens']} "
-                             f"make {wanted}, past the model's context of {context} positions: ask for fewer "
-                             f"new tokens, or give --slide")
+        raise CacheFullError(f"the prompt's {count(len(ids), 'token')} and --max-new-tokens "
+                             f"{options['max_new_tokens']} make {wanted}, past the model's context of {context} "
+                             "positions: ask for fewer new tokens, or give --slide")
     tokens = generate(ids, w, slide=slide, **options)
     sys.stdout.write(prompt)
     sys.stdout.flush()
@@ -213,7 +216,7 @@ def _stream(prompt, w, tokenizer, slide, options, t0) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    summary = f"{len(ids)} prompt tokens, {len(stamps)} new tokens"
+    summary = f"{count(len(ids), 'prompt token')}, {count(len(stamps), 'new token')}"
     if stamps:  # (no prefill rate: the first call's time is mostly the compiled kernels' loading)
         summary += (f"; first token after {stamps[0] - t_start:.2f} s (the first call: prefill and loading the "
                     "compiled kernels)")
@@ -236,7 +239,7 @@ def _samples(prompt, w, tokenizer, n, options, t0) -> int:
     for j, token in generate_batch([ids], w, n=n, **options):
         texts[j].append(token)
     _write_texts(prompt, texts, tokenizer)
-    print(f"gpt2numba: {len(ids)} prompt tokens, {n} samples of {', '.join(str(len(t)) for t in texts)} new "
+    print(f"gpt2numba: {count(len(ids), 'prompt token')}, {n} samples of {', '.join(str(len(t)) for t in texts)} new "
           f"tokens; {time.perf_counter() - t0:.1f} s in all", file=sys.stderr)
     return 0
 
@@ -249,9 +252,11 @@ def _beams(prompt, w, tokenizer, options, t0) -> int:
     ids = prompt_ids(prompt, tokenizer)
     found = beam_search(ids, w, **options)
     _write_texts(prompt, [h.ids for h in found], tokenizer)
-    print(f"gpt2numba: {len(ids)} prompt tokens, beam search of {options['num_beams']} beams: {len(found)} "
-          f"{'hypothesis' if len(found) == 1 else 'hypotheses'} of {', '.join(str(len(h.ids)) for h in found)} "
-          f"new tokens, scores {', '.join(f'{h.score:.4f}' for h in found)}; "
+    lengths = (count(len(found[0].ids), "new token") if len(found) == 1
+               else f"{', '.join(str(len(h.ids)) for h in found)} new tokens")
+    print(f"gpt2numba: {count(len(ids), 'prompt token')}, beam search of {options['num_beams']} beams: "
+          f"{count(len(found), 'hypothesis', 'hypotheses')} of {lengths}, "
+          f"scores {', '.join(f'{h.score:.4f}' for h in found)}; "
           f"{time.perf_counter() - t0:.1f} s in all", file=sys.stderr)
     return 0
 
@@ -290,7 +295,8 @@ def read_prompts(path: str) -> list[str]:
 
 def _batch(prompts, w, tokenizer, batch_size, n, options) -> int:
     """One JSON line per text as it finishes (with n > 1, its "sample" j of the prompt "index"); a progress bar
-    and the aggregate tokens/s on stderr."""
+    and the aggregate tokens/s on stderr. A sequence that fails (generate_batch's PartialBatchError) gets its
+    error in place of its text once the others are done, and the command fails naming its prompt (_failed)."""
     from tqdm import tqdm
 
     from ..decoding.sample import _batch_steps, prompt_ids
@@ -299,51 +305,75 @@ def _batch(prompts, w, tokenizer, batch_size, n, options) -> int:
     tokens = {i: [] for i in range(len(prompts) * n)}  # by sequence: prompt i // n, its sample i % n
     t0 = time.perf_counter()
 
-    def write(i):
+    def write(i, error=None):
         record = {"index": i // n, "sample": i % n} if n > 1 else {"index": i}
-        record.update(prompt=prompts[i // n], text=_text(tokens[i], tokenizer), tokens=tokens[i])
+        record["prompt"] = prompts[i // n]
+        if error is None:
+            record.update(text=_text(tokens[i], tokenizer), tokens=tokens[i])
+        else:  # (its tokens so far are no text of its)
+            record["error"] = _said(error)
         print(json.dumps(record), flush=True)
         bar.update()
+    errors = {}  # sequence -> what failed it
     with tqdm(total=len(tokens), unit="prompt" if n == 1 else "sample", file=sys.stderr, desc="generate") as bar:
         pending = set(tokens)
-        for i, token, done, _ in _batch_steps(ids, w, batch_size=batch_size, n=n, **options):
-            tokens[i].append(token)
-            if done:
-                write(i)
-                pending.discard(i)
-        for i in sorted(pending):  # max_new_tokens 0: nothing was generated, still a record each
-            write(i)
+        try:
+            for i, token, done, _ in _batch_steps(ids, w, batch_size=batch_size, n=n, **options):
+                tokens[i].append(token)
+                if done:
+                    write(i)
+                    pending.discard(i)
+        except PartialBatchError as e:  # (every other sequence finished)
+            errors = e.errors
+        for i in sorted(pending):  # a failed one's error; max_new_tokens 0: nothing was generated, still a record
+            write(i, errors.get(i))
     seconds = time.perf_counter() - t0
     total = sum(map(len, tokens.values()))
     speed = rate(total, seconds)
-    print(f"gpt2numba: {len(prompts)} prompts{f' x {n} samples' if n > 1 else ''}, {total} new tokens in "
+    print(f"gpt2numba: {count(len(prompts), 'prompt')}{f' x {n} samples' if n > 1 else ''}, "
+          f"{count(total, 'new token')} in "
           f"{seconds:.1f} s" + (f": {speed} (batch size {min(batch_size or len(tokens), len(tokens))}, prefills "
                                 "included)" if speed else ""), file=sys.stderr)
+    if errors:
+        by_prompt = {}
+        for i in sorted(errors):  # (a prompt's first failed sample speaks for it)
+            by_prompt.setdefault(i // n, _said(errors[i]))
+        raise _failed(by_prompt, len(prompts))
     return 0
 
 
 def _beams_batch(prompts, w, tokenizer, options) -> int:
-    """beam_search_batch over every prompt, then one JSON line per prompt with its hypotheses, best first."""
+    """beam_search_batch over every prompt, then one JSON line per prompt with its hypotheses, best first, or the
+    error that failed its search (PartialBatchError), and then the command fails naming it (_failed)."""
     from ..decoding.beams import beam_search_batch
     from ..decoding.sample import prompt_ids
 
     t0 = time.perf_counter()
-    found = beam_search_batch([prompt_ids(p, tokenizer) for p in prompts], w, **options)
+    try:
+        found, errors = beam_search_batch([prompt_ids(p, tokenizer) for p in prompts], w, **options), {}
+    except PartialBatchError as e:  # (every other search finished)
+        found = [hypotheses or [] for hypotheses in e.results]
+        errors = {i: _said(error) for i, error in e.errors.items()}
     for i, (prompt, hypotheses) in enumerate(zip(prompts, found)):
-        print(json.dumps({"index": i, "prompt": prompt, "hypotheses": [
-            {"text": _text(h.ids, tokenizer), "tokens": h.ids, "score": h.score if math.isfinite(h.score) else None}
-            for h in hypotheses]}), flush=True)
+        print(json.dumps({"index": i, "prompt": prompt, "error": errors[i]} if i in errors else {
+            "index": i, "prompt": prompt, "hypotheses": [
+                {"text": _text(h.ids, tokenizer), "tokens": h.ids, "score": h.score if math.isfinite(h.score) else None}
+                for h in hypotheses]}), flush=True)
     seconds = time.perf_counter() - t0
     total = sum(len(h.ids) for hypotheses in found for h in hypotheses)
-    print(f"gpt2numba: {len(prompts)} prompts, beam search of {options['num_beams']} beams: "
-          f"{sum(map(len, found))} hypotheses, {total} new tokens in {seconds:.1f} s", file=sys.stderr)
+    print(f"gpt2numba: {count(len(prompts), 'prompt')}, beam search of {options['num_beams']} beams: "
+          f"{count(sum(map(len, found)), 'hypothesis', 'hypotheses')}, {count(total, 'new token')} in "
+          f"{seconds:.1f} s", file=sys.stderr)
+    if errors:
+        raise _failed(errors, len(prompts))
     return 0
 
 
 def _on_ray(prompts, args, options, n, beam) -> int:
     """generate --ray: the prompts as a Ray dataset (index, prompt), generated by a pool of workers
     (distributed.generate_dataset, each row on its index's random streams); the records the in-process paths
-    write, to stdout in the prompts' order, or to --output as JSON lines or Parquet."""
+    write, to stdout in the prompts' order, or to --output as JSON lines or Parquet; a row that failed (its error
+    column) gets its error in place of the text, and the command fails naming it (_failed)."""
     from ..integrations.distributed import cluster, generate_dataset, write
 
     t0 = time.perf_counter()
@@ -362,19 +392,29 @@ def _on_ray(prompts, args, options, n, beam) -> int:
             found = [record for row in generated.iter_rows() for record in to_records(row)]
             for record in sorted(found, key=lambda r: (r["index"], r.get("sample", 0))):
                 print(json.dumps(record), flush=True)
-        tokens = 0  # from the blocks in hand, as score --ray counts
+        tokens, errors = 0, {}  # from the blocks in hand, as score --ray counts
         for batch in generated.iter_batches(batch_size=None, batch_format="pyarrow"):
             tokens += len(pc.list_flatten(batch.column("completion_ids"), recursive=True))
-    print(f"gpt2numba: {len(prompts)} prompts{f' x {n}' if n > 1 else ''} on Ray, {tokens} new tokens; "
+            failed = zip(batch.column("index").to_pylist(), batch.column("error").to_pylist())
+            errors.update((index, error) for index, error in failed if error is not None)
+    print(f"gpt2numba: {count(len(prompts), 'prompt')}{f' x {n}' if n > 1 else ''} on Ray, "
+          f"{count(tokens, 'new token')}; "
           f"{time.perf_counter() - t0:.1f} s" + (" with the cluster's start" if args.ray == "local" else "")
           + (f"; written to {args.output}" if args.output else ""), file=sys.stderr)
+    if errors:
+        raise _failed(errors, len(prompts))
     return 0
 
 
 def records(row: dict, n: int, beam: bool) -> list[dict]:
     """The JSON records of a row of distributed.generate_dataset (index, prompt and the completions), as
-    _batch and _beams_batch write them: one per sample, or one per prompt with its hypotheses."""
+    _batch and _beams_batch write them: one per sample, or one per prompt with its hypotheses; a row that failed
+    (its completions null) has its error in their place, in each of its samples' records."""
     index, prompt = int(row["index"]), row["prompt"]
+    if row.get("error") is not None:
+        if n == 1 or beam:
+            return [{"index": index, "prompt": prompt, "error": row["error"]}]
+        return [{"index": index, "sample": j, "prompt": prompt, "error": row["error"]} for j in range(n)]
     texts, ids = ([row[name]] if n == 1 else list(row[name]) for name in ("completion", "completion_ids"))
     ids = [[int(t) for t in tokens] for tokens in ids]
     if beam:
@@ -386,3 +426,18 @@ def records(row: dict, n: int, beam: bool) -> list[dict]:
         return [{"index": index, "prompt": prompt, "text": texts[0], "tokens": ids[0]}]
     return [{"index": index, "sample": j, "prompt": prompt, "text": text, "tokens": tokens}
             for j, (text, tokens) in enumerate(zip(texts, ids))]
+
+
+def _said(error: Exception) -> str:
+    """An error as a record says it, and as distributed.generate_dataset's error column does: "Type: message"."""
+    return f"{type(error).__name__}: {error}"
+
+
+def _failed(errors: dict[int, str], total: int) -> GPT2NumbaError:
+    """What the command ends with once every record is written, when prompts failed: how many of ``total``,
+    which (``errors``: each one's index -> its error, as its record says it; the first ten named) and the first
+    one's error."""
+    failed = sorted(errors)
+    named = ", ".join(map(str, failed[:10])) + (", ..." if len(failed) > 10 else "")
+    return GPT2NumbaError(f"{len(failed)} of {count(total, 'prompt')} failed ({named}; their records say why), the "
+                          f"others finished; {failed[0]}: {errors[failed[0]]}")

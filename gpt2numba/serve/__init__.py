@@ -13,16 +13,18 @@ queue (--max-queue requests, --max-queued-choices choices) and take free places 
 requests; past that they get 503 with Retry-After.
 
 No HTTP: config.py (ServeConfig: every setting and its default, the flags' too), engine.py (the thread,
-steps, stop strings), events.py (what it hands each request: Text, Finish, Done, Failed), admission.py
-(limits, the round-robin queue), logprobs.py (OpenAI's log-probabilities as JSON text), metrics.py (GET
-/metrics's registry, prometheus-client: the engine tells it what happens through engine.Watcher and imports
-none of it). HTTP: requests.py (parsing), responses.py (the JSON of a response), app.py (the routes,
-server-sent events; imports Starlette), connections.py and server.py (uvicorn: read deadlines, a cap on
-connections, the shutdown). app.py's names load on first use, so importing the engine needs no web framework.
+steps, stop strings), jobs.py (what it works on: a request, its choices; the Watcher it tells; a fault's
+status), events.py (what it hands each request: Text, Finish, Done, Failed), admission.py (limits, the
+round-robin queue), logprobs.py (OpenAI's log-probabilities as JSON text), metrics.py (GET /metrics's
+registry, prometheus-client: the engine tells it what happens through jobs.Watcher and imports none of it).
+HTTP: requests.py (parsing), responses.py (the JSON of a response), app.py (the routes, server-sent events;
+imports Starlette), connections.py and server.py (uvicorn: read deadlines, a cap on connections, the
+shutdown). app.py's names load on first use, so importing the engine needs no web framework.
 """
 
 from .config import ServeConfig
-from .engine import LOGPROB_ROWS, Completion, Engine, Job, QueueFull
+from .engine import LOGPROB_ROWS, Engine, QueueFull
+from .jobs import Completion, Job
 from .events import Done, Failed, Finish, Text
 
 _APP = ("ApiError", "MAX_LOGPROBS", "MAX_STOPS", "Routes", "create_app", "parse_completion", "run")

@@ -36,8 +36,9 @@ from ..text.tokenizer import Tokenizer
 from ..text.tokenview import inspect_ids
 from .admission import Refused, check_cache, check_choices, check_size
 from .config import ServeConfig
-from .engine import Engine, Job
+from .engine import Engine
 from .events import Done, Failed
+from .jobs import Job
 from .metrics import CONTENT_TYPE, Metrics
 from .requests import CONSTRAINED, MAX_LOGPROBS, MAX_STOPS, ApiError, checked_ids, parse_completion, parse_inspect
 from .responses import Chunks, Whole, inspection_json, json_response

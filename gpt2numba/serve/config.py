@@ -1,6 +1,6 @@
 """Every setting of the server and its default, in one place: ServeConfig.
 
-`gpt2numba serve` makes its flags from it (cli/commands.py: each field's Flag, in its --help's order); create_app,
+`gpt2numba serve` makes its flags from it (cli/options.py: each field's Flag, in its --help's order); create_app,
 Engine and server.run take one (or its fields as keywords); admission.py reads its limits from it,
 connections.GuardedH11 its deadlines, and serve.ray.deployment checks a replica's settings against it.
 vLLM's EngineArgs feeds argparse and the engine the same way. No web framework here: the engine imports it.

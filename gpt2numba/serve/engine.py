@@ -1,9 +1,9 @@
 """The serving engine: one thread owns the weights and the batch (no HTTP here).
 
-Requests come in as checked Completions inside Jobs; the engine thread admits their choices into a
-batching.Batch at step boundaries (round-robin across requests: admission.py), runs one forward pass a
-step over every sequence in flight, cuts text at stop strings, computes OpenAI's log-probabilities
-(logprobs.py), and hands each step's events to the requests' event loops. Between two steps it runs one
+Requests come in as checked Completions inside Jobs (jobs.py: the records of a request and its choices); the
+engine thread admits their choices into a batching.Batch at step boundaries (round-robin across requests:
+admission.py), runs one forward pass a step over every sequence in flight, cuts text at stop strings, computes
+OpenAI's log-probabilities (logprobs.py), and hands each step's events to the requests' event loops. Between two steps it runs one
 of the calls waiting (Engine.call: a forward pass of its own, such as /v1/inspect's), so every forward pass
 of the server runs on this thread, one at a time. A test or another front end drives it without a web
 framework (app.py is the HTTP one). It tells a Watcher (metrics.py's Metrics) what only it knows: tokens in
@@ -14,16 +14,15 @@ the moment it leaves (finished, cancelled or failed), whoever still holds the jo
 
 A request's fault is its own: what its sequences' work raises in a step (sampling, constraint, draft: the
 batch's Faults) or its handling of their tokens (stop strings, log-probabilities) fails that request alone,
-its other choices cancelled, and the other requests go on as without it. A client's error (CLIENT_ERRORS) is a
-400 with its message, anything else a 500 that names it, logged. What the step's forward pass raises fails every
-request in flight.
+its other choices cancelled, and the other requests go on as without it. A client's error (jobs.CLIENT_ERRORS)
+is a 400 with its message, anything else a 500 that names it, logged. What the step's forward pass raises fails
+every request in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -32,10 +31,8 @@ import numpy as np
 
 from ..decoding import speculative
 from ..decoding.batching import Batch, Fault, Sequence, SharedPrompt
-from ..decoding.constraints import Constraint
 from ..decoding.prefixes import PrefixCache
 from ..decoding.sample import Sampler
-from ..errors import GrammarError, SamplingError
 from ..model.forward import prefill
 from ..model.kvcache import ModelCache
 from ..model.weights import GPT2Weights
@@ -44,6 +41,7 @@ from ..text.tokenizer import Tokenizer
 from .admission import QueueFull, Waiting
 from .config import ServeConfig
 from .events import Done, Event, Failed, Finish, Text
+from .jobs import Choice, Completion, Job, Watcher, failure
 from .logprobs import LOGPROB_ROWS, Logprobs, Piece
 
 log = logging.getLogger("gpt2numba.serve")
@@ -51,86 +49,6 @@ log = logging.getLogger("gpt2numba.serve")
 __all__ = ["Completion", "Engine", "Job", "LOGPROB_ROWS", "QueueFull", "Watcher"]
 
 SHUTTING_DOWN = "the server is shutting down"
-# What a request's own settings cause during its work: settings that leave its sampler no token, a constraint
-# llguidance gives up on. Told to its client as they are (400); anything else is the server's (500).
-CLIENT_ERRORS = (SamplingError, GrammarError)
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    """A checked POST /v1/completions body."""
-
-    prompts: list[list[int]]  # token ids of each prompt
-    max_tokens: int
-    sampler: Sampler
-    n: int  # choices returned per prompt
-    best_of: int  # choices run per prompt (>= n): the n most likely of them (_Choice.logprob) are returned
-    stop: tuple[str, ...]
-    seed: int | None
-    stream: bool
-    include_usage: bool
-    logprobs: int | None  # alternatives per token; None: no log-probabilities
-    echo: bool
-    ignore_eos: bool
-    constraint: Constraint | None = None  # structured output: every choice's text kept inside it
-
-
-class Watcher:
-    """What the engine tells as it goes, on its own thread: metrics.py's Metrics counts it for GET /metrics;
-    this one, the default, forgets it. Each call comes at most once a step or once a choice, never once a
-    token, and before the events it concerns go out (a client that has its answer and then asks
-    /metrics finds it counted)."""
-
-    def started(self, prompt_tokens: int) -> None:
-        """A choice started, with a prompt of so many tokens (each choice takes in its own prompt)."""
-
-    def step(self, generated_tokens: int) -> None:
-        """A step generated so many tokens (one for each sequence in it)."""
-
-    def first_token(self, seconds: float) -> None:
-        """A request's first token came out ``seconds`` after the request was submitted."""
-
-    def choice_done(self, seconds_per_token: float) -> None:
-        """A choice of two tokens or more ended: the mean time between its tokens."""
-
-    def request_done(self, seconds: float) -> None:
-        """Every choice of a request ended, ``seconds`` after the request was submitted."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Choice:
-    """One sequence of a request, as the engine thread sees it from its start to its end."""
-
-    index: int  # prompt index x best_of + j (OpenAI's choice index when best_of = n)
-    prompt: int  # index into the request's prompts
-    decode: object  # Tokenizer.stream_decoder(): id -> text, holding back split characters
-    held: str = ""  # text held back: it may be the start of a stop string
-    tokens: int = 0
-    logprob: float = 0.0  # the sum of its tokens' log-probabilities, with best_of > n (which ranks by it)
-    first: float = 0.0  # time.perf_counter() at its first token
-    sequence: Sequence | None = None
-
-
-class Job:
-    """A request inside the server. The engine thread queues events in ``outbox``; the handler awaits them.
-
-    Events (events.py): Text and Finish of each choice, then Done once every choice has finished, or Failed when the
-    engine gives up on it. Its choices are counted, not built: choice i (prompt i // best_of) exists only from
-    its start to its end. With best_of > n, every choice runs and finishes; the response keeps the n with the
-    highest logprob of each prompt.
-    """
-
-    def __init__(self, request: Completion, loop: asyncio.AbstractEventLoop):
-        self.request, self.loop = request, loop
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.cancelled = False
-        self.choices = len(request.prompts) * request.best_of
-        self.started = 0  # choices started, in index order (admission.Waiting counts them)
-        self.unfinished = self.choices
-        self.tokens = 0  # tokens out, over every choice
-        self.since = time.perf_counter()
-        self.outbox: list[Event] = []  # events not yet handed to the event loop (the engine thread's)
-        self.echoed: dict[int, tuple] = {}  # prompt -> its echo (text, Piece), until its last choice starts
-        self.shared: dict[int, SharedPrompt] = {}  # prompt -> its prefill shared by its choices, likewise
 
 
 def _deliver(items: list[tuple[Job, list[Event]]]) -> None:
@@ -158,7 +76,7 @@ class Engine:
         self.batch = Batch(w, config.max_batch, self.prefixes, kv_dtype, self.max_positions, spec)  # in kv_dtype
         self.logprobs = Logprobs(w, tokenizer, kv_dtype)
         self.waiting = Waiting(config)
-        self._owner: dict[Sequence, tuple[Job, _Choice]] = {}
+        self._owner: dict[Sequence, tuple[Job, Choice]] = {}
         self._wake = threading.Condition()
         self._stopping = self._draining = False
         self.preemptions = 0  # choices paused for another request's (_pause_one)
@@ -413,7 +331,7 @@ class Engine:
 
     def _start(self, job: Job, index: int) -> None:
         r = job.request
-        choice = _Choice(index, index // r.best_of, self.tokenizer.stream_decoder())
+        choice = Choice(index, index // r.best_of, self.tokenizer.stream_decoder())
         ids = r.prompts[choice.prompt]
         self.metrics.started(len(ids))
         if r.echo:
@@ -435,7 +353,7 @@ class Engine:
                                          stop_at_eos=not r.ignore_eos, shared=shared, constraint=r.constraint)
         self._owner[choice.sequence] = (job, choice)
 
-    def _on_token(self, job: Job, choice: _Choice, token: int, done: bool, row: np.ndarray) -> None:
+    def _on_token(self, job: Job, choice: Choice, token: int, done: bool, row: np.ndarray) -> None:
         r = job.request
         choice.tokens += 1
         job.tokens += 1
@@ -466,7 +384,7 @@ class Engine:
             self._leave(choice.sequence)
             self._finish(job, choice, reason)
 
-    def _finish(self, job: Job, choice: _Choice, reason: str) -> None:
+    def _finish(self, job: Job, choice: Choice, reason: str) -> None:
         self._emit(job, Finish(choice.index, reason, choice.tokens, choice.logprob))
         job.unfinished -= 1
         now = time.perf_counter()
@@ -477,13 +395,12 @@ class Engine:
             self.metrics.request_done(now - job.since)
 
     def _fault(self, job: Job, error: Exception) -> None:
-        """A request's own work raised ``error``: it fails alone, a client's error (CLIENT_ERRORS) with its
-        message (400), anything else as an internal error that names it (500), logged."""
-        if isinstance(error, CLIENT_ERRORS):
-            self._fail(job, str(error), 400)
-            return
-        log.error("a request failed: %s: %s", type(error).__name__, error, exc_info=error)
-        self._fail(job, f"internal error: {type(error).__name__}: {error}")
+        """A request's own work raised ``error``: it fails alone, with jobs.failure's message and status (an
+        internal error logged)."""
+        message, status = failure(error)
+        if status == 500:
+            log.error("a request failed: %s: %s", type(error).__name__, error, exc_info=error)
+        self._fail(job, message, status)
 
     def _fail(self, job: Job, message: str, status: int = 500) -> None:
         for sequence, (owner, _) in list(self._owner.items()):

@@ -1,4 +1,4 @@
-"""The events the engine thread hands a request's handler (engine.Job.events): Text and Finish for each
+"""The events the engine thread hands a request's handler (jobs.Job.events): Text and Finish for each
 choice, then Done, or Failed when the engine gives up on the request. Small typed records, matched by type
 (isinstance) in app.py and responses.py; no HTTP here.
 """

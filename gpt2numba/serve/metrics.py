@@ -2,7 +2,7 @@
 
 The names are vLLM's (and TGI's), prefixed ``gpt2numba_``. Each fact is fed where it is known, and at
 most once a step or once a choice, never once a token: the engine thread tells the tokens in and out and
-the times (engine.Watcher's calls), the routes tell each completion's status. What the server holds now
+the times (jobs.Watcher's calls), the routes tell each completion's status. What the server holds now
 (the queue, the batch, the prefix cache's counts) is read when Prometheus asks, so keeping it costs the
 engine nothing. Each server has its own registry: two in one process (a test's) do not collide.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .engine import Watcher
+from .jobs import Watcher
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -60,7 +60,7 @@ class Metrics(Watcher):
     def answered(self, status: int) -> None:
         self.requests.labels(str(status)).inc()
 
-    # the engine thread (engine.Watcher)
+    # the engine thread (jobs.Watcher)
     def started(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
 

@@ -16,7 +16,7 @@ from ..decoding.sample import Sampler, prompt_ids
 from ..text.tokenizer import EOT_ID, Tokenizer
 from ..text.tokenview import MAX_TOP
 from .config import ServeConfig
-from .engine import Completion
+from .jobs import Completion
 
 
 class ApiError(Exception):

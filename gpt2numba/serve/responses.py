@@ -12,7 +12,7 @@ import json
 
 from starlette.responses import Response, StreamingResponse
 
-from .engine import Completion
+from .jobs import Completion
 from .events import Finish, Text
 from .logprobs import Piece, as_json
 
