@@ -99,13 +99,6 @@ def test_every_kernel_of_the_package_is_guarded():
     the lock."""
     import gpt2numba.text.tokenview  # noqa: F401
 
-    kinds = {}
-    for name, module in list(sys.modules.items()):
-        if name.startswith("gpt2numba.") and module is not None:
-            for value in vars(module).values():
-                files = getattr(getattr(value, "_cache", None), "_cache_file", None)
-                if files is not None:
-                    kinds[f"{name}.{getattr(value, '__name__', '?')}"] = type(files).__name__
+    kinds = {name: type(files).__name__ for name, files in numbacache.cache_files("gpt2numba").items()}
     assert len(kinds) > 50, kinds
-    assert {kind for kind in kinds.values()} == {"LockedCacheFile"}, {k: v for k, v in kinds.items()
-                                                                       if v != "LockedCacheFile"}
+    assert set(kinds.values()) == {"LockedCacheFile"}, {k: v for k, v in kinds.items() if v != "LockedCacheFile"}

@@ -177,47 +177,46 @@ def test_a_child_process_sees_the_parents_environment(hide_tbb):
     assert out["child"] == out["original"]
 
 
+def _blas_counts() -> list[tuple[str, int]]:
+    """(file, thread count) of each BLAS library loaded."""
+    from threadpoolctl import threadpool_info
+
+    return sorted((i["filepath"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas")
+
+
 def test_overlapping_passes_put_blas_threads_back():
     """Two threads' passes that overlap without nesting (A in, B in, A out, B out) leave BLAS's thread counts
     as they were: one limit for all passes, lifted by the last to leave."""
-    from threadpoolctl import threadpool_info
-
-    def counts():
-        return sorted((i["filepath"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas")
-
     from threadpoolctl import threadpool_limits
 
     blas._thread_counts()  # (loads SciPy's BLAS, the one Numba calls, before the first reading)
     with threadpool_limits(limits=2, user_api="blas"):  # (from 2, so that 1 left behind shows)
-        original = counts()
+        original = _blas_counts()
         assert original and all(n == 2 for _, n in original)
         a, b = products.one_blas_thread(), products.one_blas_thread()
         a.__enter__()
         b.__enter__()
-        assert all(n == 1 for _, n in counts())
+        assert all(n == 1 for _, n in _blas_counts())
         a.__exit__(None, None, None)
-        assert all(n == 1 for _, n in counts()), "a pass still runs: BLAS stays at one thread"
+        assert all(n == 1 for _, n in _blas_counts()), "a pass still runs: BLAS stays at one thread"
         b.__exit__(None, None, None)
-        assert counts() == original
+        assert _blas_counts() == original
 
 
 def test_a_pass_on_another_thread_runs_blas_on_one_thread():
     """threadpoolctl 3.8 lets only the first Python thread that limited OpenBLAS change its count; a pass run on
     another thread (the server's engine, a thread pool) still has every BLAS at one thread, and puts it back.
     (Before, its BLAS ran on all its threads there: other bits on AVX2, where a few rows already go to BLAS.)"""
-    from threadpoolctl import threadpool_info, threadpool_limits
-
-    def counts():
-        return sorted((i["filepath"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas")
+    from threadpoolctl import threadpool_limits
 
     blas._thread_counts()  # (loads SciPy's BLAS first)
     with threadpool_limits(limits=2, user_api="blas"):  # this thread takes control of OpenBLAS (threadpoolctl 3.8)
-        original, seen = counts(), {}
+        original, seen = _blas_counts(), {}
 
         def run():
             with products.one_blas_thread():
-                seen["inside"] = counts()
-            seen["after"] = counts()
+                seen["inside"] = _blas_counts()
+            seen["after"] = _blas_counts()
         thread = threading.Thread(target=run)
         thread.start()
         thread.join()

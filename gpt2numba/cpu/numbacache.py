@@ -55,15 +55,22 @@ def _locked(index_path: str, exclusive: bool):
 def guard(package: str) -> int:
     """Lock the cache files of every cached Numba function (@njit and @cfunc with cache=True) defined at the top
     of the modules of ``package`` imported so far; return how many."""
-    guarded = 0
+    files = cache_files(package)
+    for each in files.values():
+        if type(each) is IndexDataCacheFile:
+            each.__class__ = LockedCacheFile
+    return len(files)
+
+
+def cache_files(package: str) -> dict:
+    """The cache-file object of every cached Numba function at the top of the modules of ``package`` imported so
+    far, by its module and name ("gpt2numba.cpu.kernels._gelu")."""
+    found = {}
     for name, module in list(sys.modules.items()):
         if module is None or not (name == package or name.startswith(package + ".")):
             continue
         for value in vars(module).values():
             files = getattr(getattr(value, "_cache", None), "_cache_file", None)
-            if type(files) is IndexDataCacheFile:
-                files.__class__ = LockedCacheFile
-                guarded += 1
-            elif type(files) is LockedCacheFile:
-                guarded += 1
-    return guarded
+            if isinstance(files, IndexDataCacheFile):
+                found[f"{name}.{getattr(value, '__name__', '?')}"] = files
+    return found
