@@ -33,6 +33,47 @@ def test_gelu(n, F, seed):
     np.testing.assert_allclose(x, ref, atol=1e-6, rtol=1e-5)
 
 
+def test_every_kernel_sets_its_fast_math():
+    """Numba compiles a function that leaves fastmath unset, when a kernel first calls it, with that caller's
+    fast-math flags, and its cache then serves that code to every process: the function's bits would follow
+    which kernel compiled first (the cold-cache test in test_threads.py found it). Every @njit function in the
+    package sets its own."""
+    import importlib
+    import pkgutil
+
+    import gpt2numba
+    from numba.core.registry import CPUDispatcher
+
+    unset, seen = [], 0
+    for info in pkgutil.walk_packages(gpt2numba.__path__, "gpt2numba."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for name, f in vars(module).items():
+            if isinstance(f, CPUDispatcher) and f.py_func.__module__ == module.__name__:
+                seen += 1
+                if "fastmath" not in f.targetoptions:
+                    unset.append(f"{module.__name__}.{name}")
+    assert seen > 50 and not unset
+
+
+@given(n=st.integers(0, 300), seed=st.integers(0, 2**32 - 1))
+def test_sum_adds_in_the_order_it_says(n, seed):
+    """kernels._sum's order, to the bit, as its docstring gives it (eight running sums in float32, added pairwise,
+    then the rest in turn): an order no compiler may choose (test_threads' cold-cache test is why)."""
+    x = randn(np.random.default_rng(seed), n, scale=10.0)
+    whole = n - n % 8
+    s = [np.float32(0.0)] * 8
+    for i in range(0, whole, 8):
+        s = [np.float32(s[j] + x[i + j]) for j in range(8)]
+    total = np.float32(np.float32(np.float32(s[0] + s[4]) + np.float32(s[2] + s[6]))
+                       + np.float32(np.float32(s[1] + s[5]) + np.float32(s[3] + s[7])))
+    for i in range(whole, n):
+        total = np.float32(total + x[i])
+    assert np.float32(kernels._sum(x)).tobytes() == total.tobytes()  # (returned as a Python float, exactly)
+    np.testing.assert_allclose(kernels._sum(x), x.astype(np.float64).sum(), atol=1e-4 * (1 + np.abs(x).sum()))
+
+
 @given(values=st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=300))
 def test_row_max(values):
     """The integer-keyed max is np.max: negatives, zeros of either sign, infinities, subnormals."""

@@ -99,12 +99,6 @@ def test_every_threading_layer_gives_the_same_bits(layer):
     assert _digests({"NUMBA_THREADING_LAYER": layer, "NUMBA_NUM_THREADS": "2", "GPT2NUMBA_POOL": "0"}) == _digests()
 
 
-# Numba 0.59 (tox's oldest) runs other code in the process that compiles a kernel than in every process that
-# loads it from the cache: a cold process's digests differ from a warm one's, for float32 and int8 alike, whatever
-# the CPU compiled for (found in CI's oldest run on a Zen 3; 0.68 gives the same bits). Which release ends it, and
-# why, is not found yet: docs/testing.md, "Every CPU's paths".
-@pytest.mark.xfail(numba.__version__.startswith("0.59."), reason="Numba 0.59: compiled in-process != loaded from "
-                   "its cache", strict=False)
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_process_on_a_cold_cache_gives_the_bits_of_a_warm_one(tmp_path):

@@ -140,7 +140,7 @@ def _tiled(m, per, block):
     return np.ascontiguousarray(tiles).reshape(n_tiles, k_tiles, block // per, TILE_ROWS * per)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def split_hi_lo(x, hi, lo):
     """x = hi + lo in two bfloat16 parts, for products of float32 inputs on bfloat16 tiles: hi = x rounded to
     bfloat16 (to nearest, ties to even), lo = x - hi (exact in float32) rounded the same, so that

@@ -22,7 +22,7 @@ from numba.extending import overload
 from . import paneltiles
 from .blas import _gemm
 from .chunks import _claimed
-from .kernels import (_ONE, FASTMATH, _cache_of, _exp_inplace, _from_bfloat16, _rounded, _row_max, _to_bfloat16,
+from .kernels import (_ONE, FASTMATH, _cache_of, _exp_inplace, _from_bfloat16, _rounded, _row_max, _sum, _to_bfloat16,
                       _to_float32_f16)
 
 
@@ -143,7 +143,7 @@ def _softmax_exp(row, scale, bits):
     for t in range(row.size):
         row[t] = (row[t] - peak) * scale
     _exp_inplace(row, bits[: row.size])
-    return _ONE / row.sum()
+    return _ONE / _sum(row)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -189,7 +189,7 @@ def pairs_width(head_dim: int, n_positions: int) -> int:
     return (ATTEND_TILE + P) * D + ATTEND_TILE * (P + 1) + paneltiles.PANELS * paneltiles.LANES * max(D, P + 1)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", fastmath=False)
 def _pairs_views(pairs, D, P, m, n):
     """Views of a row of pairs_width(D, P) elements: queries (m, D), keys or values (n, D), weights (m, n2), n2
     = n rounded up to even; and the panels."""
@@ -201,7 +201,7 @@ def _pairs_views(pairs, D, P, m, n):
             pairs[weights: weights + m * n2].reshape(m, n2), pairs[panels:])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _attention_plan(row0, pos0, n_head, n_chunks):
     """Attention's work as tiles, cut into n_chunks runs of about equal cost.
 

@@ -192,7 +192,7 @@ def _cblas_sgemv(typingctx, trans, M, N, a, lda, x, y):
     return types.void(types.int64, types.int64, types.int64, types.intp, types.int64, types.intp, types.intp), codegen
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _gemm(a, b, out, b_transposed):
     """out = a @ b, or a @ b.T when ``b_transposed``: float32 2-D arrays whose rows are contiguous
     (slices of rows and of columns are fine); out (M, N) with a (M, K) and b (K, N), or (N, K).
@@ -214,7 +214,7 @@ def _gemm(a, b, out, b_transposed):
                  b.ctypes.data, _leading(b), out.ctypes.data, _leading(out))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", fastmath=False)
 def _leading(m):
     """The leading dimension BLAS takes for a 2-D float32 array with contiguous rows: its row stride in elements;
     for a single row, whose stride NumPy may set to anything (BLAS refuses less than a row), the row's length."""

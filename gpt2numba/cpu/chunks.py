@@ -48,7 +48,7 @@ def _claim(typingctx, counter):
 
 # Not cache=True: Numba cannot compile a kernel against a generator it loaded from its cache (a KeyError
 # in get_generator_impl), and a kernel is compiled anew whenever its own module changes.
-@njit(nogil=True)
+@njit(nogil=True, fastmath=False)
 def _claimed(counter, n_chunks):
     """The chunks this iteration claims from ``counter`` (int64 (1,), zero when the region starts), one
     at a time, until all n_chunks are taken."""
@@ -58,7 +58,7 @@ def _claimed(counter, n_chunks):
         c = _claim(counter)
 
 
-@njit(nogil=True, inline="always")
+@njit(nogil=True, inline="always", fastmath=False)
 def _span(c, n_chunks, total, align):
     """(start, end) of chunk c of n_chunks over range(total): steps of ceil(total / n_chunks) rounded up to
     a multiple of align, clipped to total."""

@@ -342,7 +342,7 @@ def _widen_group_typed(row, g, s, out):
     return widen
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=False)
 def _quantize_rows(x, xq, xs):
     """xq, xs = int8 x per group of GROUP: scale = max|x| / 127, q = rint(x / scale), 0 for an all-zero group.
 
@@ -368,7 +368,7 @@ def _quantize_rows(x, xq, xs):
             q[j] = np.int8(np.rint(row[j] / divisor[j]))
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def _int_rows(xq, xs, w, scale, b, out, accumulate, n_chunks):
     """out (+)= x @ W.T (+ b) for a few rows, W an integer matrix read as stored.
 
@@ -397,7 +397,7 @@ def _int_rows(xq, xs, w, scale, b, out, accumulate, n_chunks):
                     _put(out, t, n, _dot_row(row, srow, xq[t], xs[t], xc[t]), b, accumulate)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _int_matmul(x, xq, xs, w, scale, b, out, accumulate, n_chunks):
     """out (+)= x @ W.T (+ b): x quantised into xq, xs (_quantize_rows), then _int_rows; one call from Python."""
     _quantize_rows(x, xq, xs)

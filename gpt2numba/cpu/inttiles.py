@@ -327,7 +327,7 @@ def _new_panel_typed(xw, n):
     return lambda xw, n: np.empty(n, np.int16)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _group_sum(row, g):
     """The sum of group g's weights in an integer matrix's row."""
     total = 0
@@ -336,7 +336,7 @@ def _group_sum(row, g):
     return total
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _pack_panel(w, scale, n0, g0, g1, panel, pscale, pcorr):
     """panel = W's rows n0..n0+PANEL-1, groups g0..g1-1, as _tile reads them: for each group, for each
     step s of S inputs (S = 2 for an int16 panel, 4 for int8), PANEL outputs' S weights
@@ -372,7 +372,7 @@ def _pack_panel(w, scale, n0, g0, g1, panel, pscale, pcorr):
                     panel[base + (k // S) * S * PANEL + k % S] = 0
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def _lay_out_rows(x, xq, xs, xw):
     """xw = the int8 values of x quantised per group (_quantize_rows), laid out for the tiles; xs their scales.
 
@@ -407,7 +407,7 @@ def _chunk_buffers_typed(xw, G):
     return buffers
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _chunk(xw, xs, T, w, scale, b, out, accumulate, n0, buffers):
     """out[:T, n0 : n0 + CHUNK] (+)= x @ W[n0 : n0 + CHUNK].T (+ b), CHUNK = CHUNK_PANELS x PANEL
     outputs (fewer at W's end), with one thread's buffers (_chunk_buffers).
@@ -434,7 +434,7 @@ def _chunk(xw, xs, T, w, scale, b, out, accumulate, n0, buffers):
                 _put(out, t, n0 + i * PANEL + j, acc[i, t, j], b, accumulate)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def _int_tiles(xw, xs, T, w, scale, b, out, accumulate, n_workers):
     """out (+)= x @ W.T (+ b) for many rows, W an integer matrix read as stored.
 
@@ -453,7 +453,7 @@ def _int_tiles(xw, xs, T, w, scale, b, out, accumulate, n_workers):
             _chunk(xw, xs, T, w, scale, b, out, accumulate, c * CHUNK, buffers)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _tiles_matmul(x, xq, xs, xw, w, scale, b, out, accumulate, n_workers):
     """out (+)= x @ W.T (+ b): x quantised and laid out into xq, xs, xw (_lay_out_rows), then
     _int_tiles; one call from Python. x: float32 (T, K); xq: int8, xs: float32 and xw: WIDE

@@ -86,6 +86,31 @@ def _row_max(x):
     return _as_float32(np.uint32(peak ^ ((peak >> 31) & np.int32(0x7FFFFFFF))))
 
 
+@njit(cache=True, nogil=True, fastmath=False)
+def _sum(x):
+    """The sum of float32 x (n,), added in one order whatever the compiler: eight running sums, the j-th over
+    x[j], x[j + 8], ..., then added pairwise and the last n % 8 in turn. Not fast-math, so that nothing may
+    reorder it: a fast-math reduction's order is the compiler's, and Numba 0.59 gave attention's softmax (an
+    array's .sum() there) other bits in the process that compiled it than in those that loaded it from its
+    cache. The eight sums vectorise as they stand."""
+    n = x.size
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    whole = n - n % 8
+    for i in range(0, whole, 8):
+        s0 += x[i]
+        s1 += x[i + 1]
+        s2 += x[i + 2]
+        s3 += x[i + 3]
+        s4 += x[i + 4]
+        s5 += x[i + 5]
+        s6 += x[i + 6]
+        s7 += x[i + 7]
+    total = ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7))
+    for i in range(whole, n):
+        total += x[i]
+    return total
+
+
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def _layernorm_rows(x, g, b, eps, out, start, end):
     """out[i] = (x[i] - mean) / sqrt(var + eps) * g + b for rows start..end-1, biased variance.
@@ -168,7 +193,7 @@ def _cache_of_typed(caches, b):
     return lambda caches, b: caches[b]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def _write_kv(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half, rounds):
     """Copy the keys and values of every new row into one layer of its sequence's own cache.
 
@@ -190,7 +215,7 @@ def _write_kv(qkv, ks, vs, runs, run0, row0, pos0, layer, written, half, rounds)
         written[b, layer] = pos0[b] + row0[b + 1] - row0[b]
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", fastmath=False)
 def _write_head(qkv, ks, vs, runs, run0, row0, pos0, layer, h, half, rounds):
     """_write_kv's copy of head h's keys and values."""
     D = _cache_of(ks, 0).shape[3]
@@ -207,7 +232,7 @@ def _write_head(qkv, ks, vs, runs, run0, row0, pos0, layer, h, half, rounds):
 # --- a compact cache's formats: float16 and bfloat16, stored as their uint16 bits -------------------
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _put(out, r, v, s, b, accumulate):
     """out[r, v] (+)= s (+ b[v]), the store that ends every product kernel; b: (N,) or None."""
     if b is not None:
@@ -247,7 +272,7 @@ def _float32_to_half(typingctx, x):
     return types.uint16(types.float32), codegen
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", fastmath=False)
 def _half_to_float32_soft(bits):
     """_half_to_float32 in integer and float32 arithmetic, for an x86 without F16C (where LLVM would call a
     runtime helper that Numba does not link). The magnitude's bits moved to float32's places, times 2^112,
@@ -259,7 +284,7 @@ def _half_to_float32_soft(bits):
     return _as_float32(_as_uint32(x) | (np.uint32(bits & 0x8000) << 16))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", fastmath=False)
 def _float32_to_half_soft(x):
     """_float32_to_half in integer arithmetic, for an x86 without F16C (F. Giesen's float_to_half_fast3_rtne):
     normal halves round their 13 dropped bits to nearest even by an integer add; subnormals by a float add
@@ -284,20 +309,20 @@ _to_float32_f16 = _half_to_float32 if F16C else _half_to_float32_soft
 _to_half = _float32_to_half if F16C else _float32_to_half_soft
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", fastmath=False)
 def _to_bfloat16(x):
     """float32 -> bfloat16 bits (uint16), to nearest, ties to even: compact.to_bfloat16's rounding."""
     bits = _as_uint32(x)
     return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", fastmath=False)
 def _from_bfloat16(bits):
     """bfloat16 bits (uint16) -> their float32 value, exactly."""
     return _as_float32(np.uint32(bits) << 16)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", fastmath=False)
 def _rounded(x):
     """float32 x to the nearest bfloat16, ties to even, as a float32."""
     return _from_bfloat16(_to_bfloat16(x))

@@ -20,10 +20,10 @@ from .rowtiles import TILE_OUTPUTS, TILE_ROWS, _tiles, _widen
 from .blas import _gemm
 from .chunks import _claimed, _span
 from .dispatch import BF16_DOT, ROW_CHUNKS, SERIAL_ROWS
-from .kernels import FASTMATH, _exp_inplace, _from_bfloat16, _put, _rounded, _to_bfloat16
+from .kernels import FASTMATH, _exp_inplace, _from_bfloat16, _put, _rounded, _sum, _to_bfloat16
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def _linear(x, w, b, scratch, out, accumulate, n_chunks):
     """out = x @ W.T + b, or out += x @ W.T + b when ``accumulate`` (a residual add): many rows, through BLAS.
 
@@ -82,7 +82,7 @@ def _dot_rows(w, x, b, out, accumulate, start, end):
         _put(out, 0, v, s, b, accumulate)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def _round_bf16(x, out):
     """out = x rounded to bfloat16 (to nearest, ties to even): bfloat16 activations' inputs to a product. x:
     float32 (T, K); out: (T, K) uint16, the bits, or float32, their values (for BLAS)."""
@@ -95,7 +95,7 @@ def _round_bf16(x, out):
         _round_row(x[t], out[t])
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", fastmath=False)
 def _round_row(x, out):
     for k in range(x.shape[0]):
         out[k] = _rounded_as(x[k], out)
@@ -118,7 +118,7 @@ def _rounded_as_typed(x, out):
 HEAD_CHUNK = 512
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def _head(wte, h, out, n_chunks):
     """Tied output head over many rows: out = h @ W.T, W = widen(wte). (A few rows: _rows_product.)
 
@@ -148,7 +148,7 @@ def _head_span_typed(wte, h, lo, hi, out):
     return lambda wte, h, lo, hi, out: _head_widened(wte, h, lo, hi, out)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _head_widened(wte, h, lo, hi, out):
     """out[:, lo:hi] = h @ W[lo:hi].T for bfloat16 bits wte: HEAD_CHUNK rows at a time widened, then BLAS."""
     dense = np.empty((HEAD_CHUNK, h.shape[1]), np.float32)
@@ -259,7 +259,7 @@ def _head_log_softmax(wte, scale, inputs, targets, logprob, best, n_chunks):
                     for k in range(c1 - c0):
                         row[k] -= m
                     _exp_inplace(row, bits)
-                    total[c, r] += row.sum()
+                    total[c, r] += _sum(row)
     for r in range(R):
         top = 0
         for c in range(1, n_chunks):
@@ -274,7 +274,7 @@ def _head_log_softmax(wte, scale, inputs, targets, logprob, best, n_chunks):
         best[r] = arg[top, r]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def _expand_bf16(w, out):
     """out = float32 values of bfloat16 w. w: uint16 (N, K); out: (N, K)."""
     N, K = w.shape

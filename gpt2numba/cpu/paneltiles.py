@@ -32,7 +32,7 @@ TILE_ROWS = 12  # rows of X a tile multiplies: TILE_ROWS x PANELS sums in 24 of 
 OUTPUTS = LANES * PANELS  # W's rows packed at a time
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _pack(w, n0, panels):
     """panels = W's rows n0..n0+OUTPUTS-1 as _panel_sums reads them: panels[((p * H + h) * LANES + i) * 2 + j]
     = w[n0 + p * LANES + i, 2h + j], H = K / 2; rows past W's end are zeros. w: uint16 (N, K), K even;
@@ -58,7 +58,7 @@ def _pack(w, n0, panels):
                                                if i < count else 0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _pack_columns(w, n0, panels):
     """_pack's panels of W = w.T, w: uint16 (K, N) (K may be odd: a last pair's second input is 0). A pair is
     two of w's rows side by side, so this interleaves rows 2h and 2h + 1 and transposes nothing."""
@@ -259,7 +259,7 @@ def _panel_out(typingctx, panels, x, t0, out, n0, b, accumulate):
     return types.void(panels, x, types.int64, out, types.int64, b, types.boolean), codegen
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def _panel_product(w, x, b, out, accumulate, n_chunks):
     """out (+)= X @ W.T (+ b) for many rows: X = x, W = w, bfloat16 bits. w: (N, K); x: (T, K), K even;
     b: (N,) float32 or None; out: float32 (T, N). A chunk is a span of W's rows (outputs): _panels."""
@@ -272,13 +272,13 @@ def _panel_product(w, x, b, out, accumulate, n_chunks):
             _panels(w, x, b, out, accumulate, start, end, buffers)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _panel_buffers(K):
     """One thread's buffers for _panels over K inputs: its panels and a tile's sums."""
     return np.empty(PANELS * K * LANES, np.uint16), np.empty(TILE_ROWS * OUTPUTS, np.float32)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _panels(w, x, b, out, accumulate, start, end, buffers, columns=False):
     """out[:, v] (+)= X @ W[v].T (+ b[v]) for v in start..end-1: OUTPUTS of W's rows at a time packed, then every
     tile of X's rows against them; whole tiles straight into out, the others through the sums. Arguments as

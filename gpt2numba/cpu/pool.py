@@ -112,7 +112,7 @@ def _untested_numba() -> str | None:
             f"({lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}; GPT2NUMBA_POOL=force tries it)")
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath=False)
 def _probe(out):
     """out: int64 (n, 2): each iteration writes its index and the id of the thread that ran it."""
     for i in prange(out.shape[0]):

@@ -187,24 +187,24 @@ def _address(typingctx, p):
     return types.int64(types.voidptr), codegen
 
 
-@njit(nogil=True, cache=True, inline="always")
+@njit(nogil=True, cache=True, inline="always", fastmath=False)
 def _at(word):
     return _base(0) + 8 * word
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _futex_wait(word, expected, timeout):
     """Sleep while ``word`` holds ``expected``, for at most ``timeout`` (the address of a timespec; 0: no limit).
     The result says nothing of why it returned (libc's syscall() gives -1 and errno): callers look again."""
     return _syscall(SYS_FUTEX, _at(word), FUTEX_WAIT, expected & _MASK32, timeout)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _futex_wake(word):
     _syscall(SYS_FUTEX, _at(word), FUTEX_WAKE, 1 << 30, 0)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _sleep_while(word, value, count, timeout=0):
     """Sleep while ``word`` holds ``value`` (at most ``timeout``, see _futex_wait); ``count`` tells the writer
     someone is asleep and needs waking."""
@@ -214,7 +214,7 @@ def _sleep_while(word, value, count, timeout=0):
     _add(_at(count), -1)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _pin(tid, k):
     """Pin thread ``tid`` (0: the calling one) to thread k's CPU; a failure is counted in PIN_FAILS."""
     words = _load(_at(MASK_WORDS))
@@ -222,7 +222,7 @@ def _pin(tid, k):
         _add(_at(PIN_FAILS), 1)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _clock_ns(clock):
     """The time of ``clock`` (a clockid_t) in ns."""
     ts = np.zeros(2, np.int64)
@@ -230,13 +230,13 @@ def _clock_ns(clock):
     return ts[0] * 1_000_000_000 + ts[1]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _cpu_ns(tid):
     """CPU time of thread ``tid`` in ns (its clock, CLOCK_THREAD_CPUTIME of another thread)."""
     return _clock_ns(((~tid) << 3) | 6)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _run_entries(g, k):
     """As thread k, claim entries of the job published under GEN g and run them until none is left."""
     fn, args, dims, steps = _load(_at(FN)), _load(_at(ARGS)), _load(_at(DIMS)), _load(_at(STEPS))
@@ -265,7 +265,7 @@ def _run_entries(g, k):
             _futex_wake(DONE)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _pin_back(k):
     """If the caller moved thread k to its CPU (_rescue), pin it back to its own."""
     if _load(_at(MOVED + 8 * k)):
@@ -297,7 +297,7 @@ def _worker(k):
         _pin_back(k)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _rescue(n_threads):
     """Move each thread that holds an entry but has not run since the last look to the caller's CPU."""
     here = -1  # a scratch mask of the caller's CPU, written when a thread first needs it
@@ -315,7 +315,7 @@ def _rescue(n_threads):
             _store(_at(SEEN_CPU + 8 * k), ns)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def _caller_mask():
     """Address of a mask of the CPU the caller runs on (the masks' last row), or -1 past the masks' CPUs."""
     cpu = np.zeros(2, np.uint32)

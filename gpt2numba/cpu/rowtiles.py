@@ -175,7 +175,7 @@ def _lane_sums(builder, vectors):
     return vectors
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _tiles(w, x, b, out, accumulate, start, end, sums):
     """out[:, v] (+)= X @ W[v].T (+ b[v]) for v in start..end-1, W = widen(w), X = widen(x), in tiles: every tile
     of rows for each tile of outputs. w: (N, K); x: (T, K); b: (N,) or None; out: (T, N); sums: float32

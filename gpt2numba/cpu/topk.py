@@ -35,7 +35,7 @@ def _log_softmax(z, out):
             out[b, t] = z[b, t] - shift
 
 
-@njit("Tuple((float64[::1], int64[::1]))(float64[:, ::1], float64[::1], int64)", cache=True, nogil=True)
+@njit("Tuple((float64[::1], int64[::1]))(float64[:, ::1], float64[::1], int64)", cache=True, nogil=True, fastmath=False)
 def _best(x, offsets, k):
     """The k largest of x[b, t] + offsets[b], largest first, equal ones by flat index b * vocab + t (the lower
     first): (values (k,), flat indices (k,)).  x: (rows, vocab), offsets: (rows,); k <= rows * vocab."""
