@@ -33,28 +33,46 @@ def test_gelu(n, F, seed):
     np.testing.assert_allclose(x, ref, atol=1e-6, rtol=1e-5)
 
 
-def test_every_kernel_sets_its_fast_math():
-    """Numba compiles a function that leaves fastmath unset, when a kernel first calls it, with that caller's
-    fast-math flags, and its cache then serves that code to every process: the function's bits would follow
-    which kernel compiled first (the cold-cache test in test_threads.py found it). Every @njit function in the
-    package sets its own."""
+def _dispatchers():
+    """{name: dispatcher} of every @njit function the package defines."""
     import importlib
     import pkgutil
 
     import gpt2numba
     from numba.core.registry import CPUDispatcher
 
-    unset, seen = [], 0
+    found = {}
     for info in pkgutil.walk_packages(gpt2numba.__path__, "gpt2numba."):
-        if info.name.endswith("__main__"):
-            continue
-        module = importlib.import_module(info.name)
-        for name, f in vars(module).items():
-            if isinstance(f, CPUDispatcher) and f.py_func.__module__ == module.__name__:
-                seen += 1
-                if "fastmath" not in f.targetoptions:
-                    unset.append(f"{module.__name__}.{name}")
-    assert seen > 50 and not unset
+        if not info.name.endswith("__main__"):
+            module = importlib.import_module(info.name)
+            found.update({f"{module.__name__}.{name}": f for name, f in vars(module).items()
+                          if isinstance(f, CPUDispatcher) and f.py_func.__module__ == module.__name__})
+    return found
+
+
+def test_every_kernel_sets_its_fast_math():
+    """Numba compiles a function that leaves fastmath unset, when a kernel first calls it, with that caller's
+    fast-math flags, and its cache then serves that code to every process: the function's bits would follow
+    which kernel compiled first (the cold-cache test in test_threads.py found it). Every @njit function in the
+    package sets its own."""
+    found = _dispatchers()
+    assert len(found) > 50 and not [name for name, f in found.items() if "fastmath" not in f.targetoptions]
+
+
+# The fast-math kernels that Python calls (none is called by another kernel)
+FAST_ROOTS = {"_attend", "_layernorm", "_gelu", "_head_log_softmax", "_log_softmax", "_rows", "stream_sum"}
+
+
+def test_fast_math_callees_are_inlined():
+    """Numba 0.59 runs a kernel's callee as compiled alone in the process that compiled the kernel, and as
+    optimized again inside the kernel in the processes that load it from the cache; fast-math lets the optimizer
+    reorder the callee's sums there, and the two gave other bits (test_threads.py's cold-cache test). So every
+    function with fast-math flags but the kernels Python calls is inlined into its callers (inline="always":
+    one piece of code, the caller's, compiled and cached as one)."""
+    fast = {name: f for name, f in _dispatchers().items() if f.targetoptions["fastmath"]}
+    assert {name.rsplit(".", 1)[1] for name in fast} >= FAST_ROOTS
+    assert not [name for name, f in fast.items()
+                if name.rsplit(".", 1)[1] not in FAST_ROOTS and f.targetoptions.get("inline") != "always"]
 
 
 @given(n=st.integers(0, 300), seed=st.integers(0, 2**32 - 1))
@@ -284,14 +302,31 @@ def test_linear(T, K, N, n_chunks, accumulate, seed):
 @given(V=st.integers(1, 60), C=dims, R=st.integers(1, 70), bias=st.booleans(), accumulate=st.booleans(),
        n_chunks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_rows_product(V, C, R, bias, accumulate, n_chunks, seed):
-    """The few-rows product against a matrix [out, in] (the head's wte): one dot product per output for
-    one row, tiles of rows x outputs for more (rowtiles.py), rows, outputs and inputs that end inside a
+    """The few-rows product against a matrix [out, in] (the head's wte): tiles of one row x ROW_OUTPUTS outputs
+    for one row, of rows x outputs for more (rowtiles.py), rows, outputs and inputs that end inside a
     tile or a vector; with a bias or none, added or not."""
     rng = np.random.default_rng(seed)
     wte, h, out, b = randn(rng, V, C), randn(rng, R, C), randn(rng, R, V), randn(rng, V)
     ref = (out.astype(np.float64) if accumulate else 0) + h.astype(np.float64) @ wte.T + (b if bias else 0)
     matkernels._rows_product(wte, h, b if bias else None, out, accumulate, n_chunks)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@given(V=st.integers(1, 40), C=dims, R=st.integers(2, 9), bits=st.booleans(), n_chunks=st.integers(1, 3),
+       seed=st.integers(0, 2**32 - 1))
+def test_a_row_alone_gives_the_bits_it_gives_among_others(V, C, R, bits, n_chunks, seed):
+    """A row's products alone (a decode step) and in tiles with other rows (a batch, a prompt): the same bits,
+    float32 or bfloat16 bits, their sums taken in an order no optimizer may change (rowtiles._sums_typed)."""
+    rng = np.random.default_rng(seed)
+    w, h = randn(rng, V, C), randn(rng, R, C)
+    if bits:
+        w = (w.view(np.uint32) >> 16).astype(np.uint16)
+    together = np.empty((R, V), np.float32)
+    matkernels._rows_product(w, h, None, together, False, n_chunks)
+    for r in range(R):
+        alone = np.empty((1, V), np.float32)
+        matkernels._rows_product(w, h[r:r + 1], None, alone, False, n_chunks)
+        np.testing.assert_array_equal(alone[0], together[r])
 
 
 @given(V=st.integers(1, 1300), C=dims, R=st.integers(1, 5), n_chunks=st.integers(1, 3),

@@ -99,13 +99,6 @@ def test_every_threading_layer_gives_the_same_bits(layer):
     assert _digests({"NUMBA_THREADING_LAYER": layer, "NUMBA_NUM_THREADS": "2", "GPT2NUMBA_POOL": "0"}) == _digests()
 
 
-# Numba 0.59 (tox's oldest): a process that compiles a kernel runs its callees' own compiled code, one that loads
-# the kernel from the cache runs the copies compiled into the kernel, optimized again there; where fast-math lets
-# the optimizer reorder a callee's sums (matkernels._dot_rows: one row's products), the two give other bits. Shown
-# on a Zen 3 in the oldest env: after the fix below, a cold process and a warm one agree on every prompt of many
-# rows and differ on one-row passes only. 0.68 gives the same bits. docs/testing.md, "Every CPU's paths".
-@pytest.mark.xfail(numba.__version__.startswith("0.59."), reason="Numba 0.59: a callee's code compiled in-process "
-                   "!= its copy in a cached caller", strict=False)
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_process_on_a_cold_cache_gives_the_bits_of_a_warm_one(tmp_path):

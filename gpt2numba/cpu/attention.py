@@ -62,18 +62,17 @@ def _times_cache_typed(a, ks, runs, lo, hi, layer, h, n, dense, out, half, keys)
     return blas
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _query_scores(q, keys, first, end, shift, s):
     """s[0, t] = q[0] . keys[t + shift] for first <= t < end: one query's scores. q: (1, D); keys: (rows, D);
     s: (1, n)."""
     for t in range(first, end):
-        acc = np.float32(0.0)
+        s[0, t] = 0.0  # (summed in place: a local sum, inlined, trips Numba 0.59's check of its SSA form)
         for d in range(q.shape[1]):
-            acc += q[0, d] * keys[t + shift, d]
-        s[0, t] = acc
+            s[0, t] += q[0, d] * keys[t + shift, d]
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _query_values(s, values, first, end, shift, out, zero):
     """out[0] (+)= the sum over first <= t < end of s[0, t] values[t + shift], from zero when ``zero``: one
     query's values. s: (1, n); values: (rows, D); out: (1, D)."""
@@ -146,7 +145,7 @@ def _softmax_exp(row, scale, bits):
     return _ONE / _sum(row)
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _bits_tile(qkv, first, start, h, m, ks, vs, runs, lo, hi, layer, half, scale, s, out, P, pairs, sums, bits):
     """_attend's tile on vdpbf16ps: queries first..first+m-1 of head h, at positions start.., over keys and
     values 0..n-1, n = start + m, all as bfloat16 (queries and weights rounded here, keys and values as

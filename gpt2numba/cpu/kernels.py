@@ -50,7 +50,7 @@ _GELU_2C = np.float32(2.0 * math.sqrt(2.0 / math.pi))
 _GELU_A = np.float32(0.044715)
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _exp_inplace(z, bits):
     """z = exp(z) for float32 z (n,), in loops the compiler vectorises.
 
@@ -72,7 +72,7 @@ def _exp_inplace(z, bits):
         z[j] *= scale[j]
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _row_max(x):
     """max(x) of float32 x (n,), n >= 1, as np.max gives it (a NaN too, unless its sign bit is set; +0.0 for a
     max of zeros of both signs, which np.max may give as -0.0), in a loop the compiler vectorises: each float's
@@ -111,7 +111,7 @@ def _sum(x):
     return total
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _layernorm_rows(x, g, b, eps, out, start, end):
     """out[i] = (x[i] - mean) / sqrt(var + eps) * g + b for rows start..end-1, biased variance.
     x, out: (T, C); g, b: (C,)."""
@@ -146,7 +146,7 @@ def _layernorm(x, g, b, eps, out):
             _layernorm_rows(x, g, b, eps, out, start, end)
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _gelu_rows(x, start, end):
     """In place: x[i] = gelu(x[i]) for rows start..end-1, GPT-2's tanh form, 0.5 x (1 + tanh(c (x + 0.044715 x^3))).
 

@@ -16,11 +16,11 @@ from numba.core.errors import TypingError
 from numba.extending import overload
 
 from . import inttiles, paneltiles
-from .rowtiles import TILE_OUTPUTS, TILE_ROWS, _tiles, _widen
+from .rowtiles import SUMS, _tiles, _widen
 from .blas import _gemm
 from .chunks import _claimed, _span
 from .dispatch import BF16_DOT, ROW_CHUNKS, SERIAL_ROWS
-from .kernels import FASTMATH, _exp_inplace, _from_bfloat16, _put, _rounded, _sum, _to_bfloat16
+from .kernels import FASTMATH, _exp_inplace, _from_bfloat16, _rounded, _sum, _to_bfloat16
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=False)
@@ -46,40 +46,22 @@ def _linear(x, w, b, scratch, out, accumulate, n_chunks):
                     out[i, j] = out[i, j] + s if accumulate else s
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def _rows_product(w, x, b, out, accumulate, n_chunks):
     """out (+)= x @ W.T (+ b) for a few rows, W = widen(w) read as stored: a matrix kept [out, in] (bfloat16's
     in a block, or the tied head's wte, float32 or bfloat16 bits).
 
     w: (N, K); x: (R, K) float32, or bfloat16 bits with w's (bfloat16 activations); b: (N,) or None; out:
-    (R, N). A chunk is a span of W's rows (outputs). One row of x takes a dot product per row of W
-    (_dot_rows); more go in tiles of rows x outputs whose sums stay in registers (rowtiles._tiles).
+    (R, N). A chunk is a span of W's rows (outputs), taken by rowtiles._tiles: a lone row ROW_OUTPUTS outputs
+    at a time, more in tiles of rows x outputs, the sums in registers; a row's sums have the same bits either way.
     """
     N = w.shape[0]
-    R = x.shape[0]
     nxt = np.zeros(1, np.int64)  # the next chunk (chunks.py)
     for _ in prange(n_chunks):
-        sums = np.empty(TILE_ROWS * TILE_OUTPUTS, np.float32)
+        sums = np.empty(SUMS, np.float32)
         for c in _claimed(nxt, n_chunks):
             start, end = _span(c, n_chunks, N, 16)
-            if R == 1:
-                _dot_rows(w, x, b, out, accumulate, start, end)
-            else:
-                _tiles(w, x, b, out, accumulate, start, end, sums)
-
-
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
-def _dot_rows(w, x, b, out, accumulate, start, end):
-    """out[0, v] (+)= W[v] . X[0] (+ b[v]) for v in start..end-1, W = widen(w), X = widen(x). For float32 it
-    streamed GPT-2 small's wte in 4.34 ms where BLAS's matrix-vector product per chunk took 5.59 (2 threads, AMD
-    EPYC Zen 4, alternating, medians of 15)."""
-    K = x.shape[1]
-    for v in range(start, end):
-        row = w[v]
-        s = np.float32(0.0)
-        for k in range(K):
-            s += _widen(row[k]) * _widen(x[0, k])
-        _put(out, 0, v, s, b, accumulate)
+            _tiles(w, x, b, out, accumulate, start, end, sums)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=False)
@@ -158,7 +140,7 @@ def _head_widened(wte, h, lo, hi, out):
         _gemm(h, dense[: c1 - c0], out[:, c0:c1], True)
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _widen_rows(wte, c0, c1, dense):
     """dense[:c1 - c0] = float32 values of wte rows c0..c1-1; wte: float32 or bfloat16 bits (V, C),
     dense: (>= c1 - c0, C)."""

@@ -1,6 +1,6 @@
 """Products over a few rows with a matrix kept [out, in]: tiles of rows x outputs, their sums in registers.
 
-out (+)= x @ W.T (+ b) for 2 to a few dozen rows of x, W float32 or bfloat16 bits (uint16), each of
+out (+)= x @ W.T (+ b) for 1 to a few dozen rows of x, W float32 or bfloat16 bits (uint16), each of
 its rows an output's weights, contiguous (bfloat16's block matrices, the tied head's wte). A tile
 takes TILE_ROWS rows of x and TILE_OUTPUTS rows of W and keeps their TILE_ROWS x TILE_OUTPUTS dot
 products as vectors of partial sums in registers along K: per step of LANES inputs it loads each W
@@ -9,7 +9,8 @@ so that a weight loaded from memory serves TILE_ROWS rows and an input TILE_OUTP
 sums are reduced across their lanes once, at the end. A thread walks its span of W's rows a tile of
 outputs at a time and, for each, every tile of rows: W's rows stream from memory once, in order (the
 next tile's fetched while this one's are multiplied), and x's rows stay in cache. Measured in
-docs/performance-history.md, "A few rows in tiles".
+docs/performance-history.md, "A few rows in tiles". A lone row of x takes ROW_OUTPUTS outputs at a time,
+each sum added in the order a tile adds it: a row's products have the same bits alone and among others.
 
 x may be bfloat16 bits too (bfloat16 activations, with W's bfloat16): with AVX512_BF16 a step is then
 2 x LANES inputs, one vdpbf16ps a pair of rows (it multiplies 32 pairs of bfloat16 into 16 float32
@@ -56,16 +57,27 @@ def _step_typed(x):
     return lambda x: step
 
 
-@intrinsic
-def _tile_sums(typingctx, w, x, v0, v1, t0, T, sums):
-    """sums[r * TILE_OUTPUTS + n] = x[min(t0 + r, T - 1), :Kv] . W[min(v0 + n, v1 - 1), :Kv] (float32, partial
-    sums per lane reduced at the end), Kv = K rounded down to _step(x), for r < TILE_ROWS, n < TILE_OUTPUTS.
+def _sums_of(R, O):
+    """The intrinsic that takes the dot products of R rows of x with O rows of W, as _sums_typed says."""
+    def sums_of(typingctx, w, x, v0, v1, t0, T, sums):
+        return _sums_typed(R, O, w, x, sums)
+    sums_of.__name__ = sums_of.__qualname__ = f"_sums_{R}x{O}"
+    return intrinsic(sums_of)
+
+
+def _sums_typed(R, O, w, x, sums):
+    """The typing and code of _sums_of(R, O)(w, x, v0, v1, t0, T, sums): sums[r * O + n] = x[min(t0 + r, T - 1),
+    :Kv] . W[min(v0 + n, v1 - 1), :Kv] (float32, partial sums per lane reduced at the end), Kv = K rounded down
+    to _step(x), for r < R, n < O.
 
     w: float32 or uint16 (bfloat16 bits) (N, K), C order; x: float32 (T, K), or bfloat16 bits with w's
     bfloat16 (bfloat16 activations: with BF16_DOT, vdpbf16ps multiplies pairs, 2 LANES products into LANES
     sums; else both widened), C order;
-    sums: float32 (TILE_ROWS * TILE_OUTPUTS,). Rows past T or v1 repeat the last (their sums are for the
-    caller to drop).
+    sums: float32 (R * O rounded up to LANES,). Rows past T or v1 repeat the last (their sums are for the caller
+    to drop). Every sum is taken in one order, lane by lane along K and then across the lanes (_lane_sums),
+    whatever R and O, with no fast-math flags: a row's sums have the same bits in any tile, and no optimizer may
+    reorder them (a fast-math loop's order is the optimizer's, and Numba 0.59 runs a kernel's callee as compiled
+    alone in the process that compiled it, as optimized again inside the kernel in those that load it).
     """
     def is_c(a, dtypes, ndim):
         return isinstance(a, types.Array) and a.dtype in dtypes and a.ndim == ndim and a.layout == "C"
@@ -81,7 +93,7 @@ def _tile_sums(typingctx, w, x, v0, v1, t0, T, sums):
                       for ty, v in (zip((sig.args[0], sig.args[1], sig.args[6]), (args[0], args[1], args[6]))))
         v0v, v1v, t0v, Tv = args[2:6]
         i16, i32, i64, f32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
-        L, R, O = LANES, TILE_ROWS, TILE_OUTPUTS
+        L = LANES
         S = 2 * L if dot else L  # inputs a step
         vf = ir.VectorType(f32, L)
 
@@ -157,12 +169,14 @@ def _tile_sums(typingctx, w, x, v0, v1, t0, T, sums):
 
 
 def _lane_sums(builder, vectors):
-    """The sums of the lanes of n float vectors of L lanes each (n a multiple of L), as n / L vectors: sum i in
-    lane i % L of vector i // L. Pairs of vectors are folded into one, each half of a lane block added to the
-    other, until every block is one lane wide: log2(L) rounds of two shuffles and an add per pair, not log2(L)
-    of them per vector."""
+    """The sums of the lanes of n float vectors of L lanes each, as ceil(n / L) vectors: sum i in lane i % L of
+    vector i // L (n padded with zeros to a multiple of L, which touch no other sum). Pairs of vectors are folded
+    into one, each half of a lane block added to the other, until every block is one lane wide: log2(L) rounds
+    of two shuffles and an add per pair, not log2(L) of them per vector. Every sum's lanes are added in a tree
+    of one shape, whichever vector holds them."""
     i32 = ir.IntType(32)
     L = vectors[0].type.count
+    vectors = vectors + [ir.Constant(vectors[0].type, [0.0] * L)] * (-len(vectors) % L)
     width = L  # lanes per block; vector j holds blocks for the sums j * (L // width) ...
     while width > 1:
         half, blocks = width // 2, L // width
@@ -175,20 +189,36 @@ def _lane_sums(builder, vectors):
     return vectors
 
 
+ROW_OUTPUTS = 4  # rows of W a lone row of x takes at once
+SUMS = max(TILE_ROWS * TILE_OUTPUTS, -(-ROW_OUTPUTS // LANES) * LANES)  # a thread's sums (_tiles)
+_tile_sums = _sums_of(TILE_ROWS, TILE_OUTPUTS)
+_row_sums = _sums_of(1, ROW_OUTPUTS)
+
+
 @njit(cache=True, nogil=True, fastmath=False)
 def _tiles(w, x, b, out, accumulate, start, end, sums):
     """out[:, v] (+)= X @ W[v].T (+ b[v]) for v in start..end-1, W = widen(w), X = widen(x), in tiles: every tile
-    of rows for each tile of outputs. w: (N, K); x: (T, K); b: (N,) or None; out: (T, N); sums: float32
-    (TILE_ROWS * TILE_OUTPUTS,), the thread's."""
+    of rows for each tile of outputs; one row ROW_OUTPUTS outputs at a time. w: (N, K); x: (T, K); b: (N,) or
+    None; out: (T, N); sums: float32 (SUMS,), the thread's."""
     T, K = x.shape
     Kv = K - K % _step(x)
+    if T == 1:
+        for v0 in range(start, end, ROW_OUTPUTS):
+            _row_sums(w, x, v0, end, 0, 1, sums)
+            for n in range(min(ROW_OUTPUTS, end - v0)):
+                _put_sum(w, x, 0, v0 + n, sums[n], Kv, b, out, accumulate)
+        return
     for v0 in range(start, end, TILE_OUTPUTS):
         for t0 in range(0, T, TILE_ROWS):
             _tile_sums(w, x, v0, end, t0, T, sums)
             for r in range(min(TILE_ROWS, T - t0)):
                 for n in range(min(TILE_OUTPUTS, end - v0)):
-                    s = sums[r * TILE_OUTPUTS + n]
-                    for k in range(Kv, K):  # the inputs past the last whole step
-                        s += _widen(x[t0 + r, k]) * _widen(w[v0 + n, k])
-                    _put(out, t0 + r, v0 + n, s, b, accumulate)
+                    _put_sum(w, x, t0 + r, v0 + n, sums[r * TILE_OUTPUTS + n], Kv, b, out, accumulate)
 
+
+@njit(nogil=True, inline="always", fastmath=False)
+def _put_sum(w, x, t, v, s, Kv, b, out, accumulate):
+    """out[t, v] (+)= s + the products of the inputs past the last whole step, Kv.. (+ b[v])."""
+    for k in range(Kv, x.shape[1]):
+        s += _widen(x[t, k]) * _widen(w[v, k])
+    _put(out, t, v, s, b, accumulate)

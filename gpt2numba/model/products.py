@@ -5,9 +5,9 @@ Every product reads its matrix as stored, [out, in]: float32 as is and bfloat16 
 few rows (matkernels, rowtiles), or through BLAS for many (bfloat16 widened once into a dense buffer); int8 and
 int4 in integers (intkernels for a few rows, inttiles' tiles for more), the inputs rounded to int8
 per group. The thresholds between them are dispatch.py's, read at every call (a tuning's, if any).
-With bfloat16 activations every product's inputs are rounded to bfloat16: one row widened in registers
-(matkernels._dot_rows, which the read of the matrix bounds), a few in rowtiles' tiles (vdpbf16ps along K
-where the CPU has it, else widened), more in paneltiles' panels (vdpbf16ps across outputs) or, on a CPU
+With bfloat16 activations every product's inputs are rounded to bfloat16: a few rows in rowtiles' tiles
+(vdpbf16ps along K where the CPU has it, else widened; one row, whose time the read of the matrix bounds, in
+tiles of one row), more in paneltiles' panels (vdpbf16ps across outputs) or, on a CPU
 without AVX512_BF16, through BLAS as bfloat16 weights' many rows go, on the rounded values (as_bits).
 """
 
