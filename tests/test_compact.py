@@ -78,8 +78,8 @@ groups = st.integers(1, 4).map(lambda n: n * compact.GROUP)
 @given(T=st.integers(1, 70), K=st.integers(1, 300), N=st.integers(1, 70), n_chunks=st.integers(1, 3),
        accumulate=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_rows_product_bfloat16(T, K, N, n_chunks, accumulate, seed):
-    """One row and up to 70 against a block's bfloat16 matrix read as stored, [out, in]: one dot product per
-    output, or tiles of rows x outputs widened in registers (rowtiles.py) with rows, outputs and inputs
+    """One row and up to 70 against a block's bfloat16 matrix read as stored, [out, in]: a tile of one row, or
+    tiles of rows x outputs, widened in registers (rowtiles.py), with rows, outputs and inputs
     that end inside a tile or a vector, more chunks than outputs."""
     rng = np.random.default_rng(seed)
     stored, _ = compact.compress("c_fc_w", randn(rng, K, N), "bfloat16")

@@ -75,21 +75,29 @@ def test_fast_math_callees_are_inlined():
                 if name.rsplit(".", 1)[1] not in FAST_ROOTS and f.targetoptions.get("inline") != "always"]
 
 
-@given(n=st.integers(0, 300), seed=st.integers(0, 2**32 - 1))
-def test_sum_adds_in_the_order_it_says(n, seed):
-    """kernels._sum's order, to the bit, as its docstring gives it (eight running sums in float32, added pairwise,
-    then the rest in turn): an order no compiler may choose (test_threads' cold-cache test is why)."""
+@given(n=st.integers(0, 300), wide=st.booleans(), square=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_sum_adds_in_the_order_it_says(n, wide, square, seed):
+    """kernels._sum's order, to the bit, as its docstring gives it (eight running sums, added pairwise, then the
+    rest), in float32 or float64, of x - shift or its squares: an order no compiler may choose (test_threads'
+    cold-cache test is why)."""
     x = randn(np.random.default_rng(seed), n, scale=10.0)
+    kind = np.float64 if wide else np.float32
+    shift = kind(0.25)
+
+    def term(v):
+        d = kind(kind(v) - shift)
+        return kind(d * d) if square else d
     whole = n - n % 8
-    s = [np.float32(0.0)] * 8
+    s = [kind(0.0)] * 8
     for i in range(0, whole, 8):
-        s = [np.float32(s[j] + x[i + j]) for j in range(8)]
-    total = np.float32(np.float32(np.float32(s[0] + s[4]) + np.float32(s[2] + s[6]))
-                       + np.float32(np.float32(s[1] + s[5]) + np.float32(s[3] + s[7])))
+        s = [kind(s[j] + term(x[i + j])) for j in range(8)]
+    total = kind(kind(kind(s[0] + s[4]) + kind(s[2] + s[6])) + kind(kind(s[1] + s[5]) + kind(s[3] + s[7])))
     for i in range(whole, n):
-        total = np.float32(total + x[i])
-    assert np.float32(kernels._sum(x)).tobytes() == total.tobytes()  # (returned as a Python float, exactly)
-    np.testing.assert_allclose(kernels._sum(x), x.astype(np.float64).sum(), atol=1e-4 * (1 + np.abs(x).sum()))
+        total = kind(total + term(x[i]))
+    got = kind(kernels._sum(x, kind(0.0), shift, square))  # (returned as a Python float, exactly)
+    assert got.tobytes() == total.tobytes()
+    exact = ((x.astype(np.float64) - 0.25) ** (2 if square else 1)).sum()
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-4 * (1 + n))
 
 
 @given(values=st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=300))
@@ -262,9 +270,10 @@ def test_attend_with_bfloat16_inputs(batch, n_chunks, kv_dtype, seed, data):
     for paired in [False] + ([True] if dispatch.BF16_DOT and D % 2 == 0 else []):
         out = _attend(*args, rounds=True, paired=paired)
         # a softmax weight on a bfloat16 rounding tie may round either way in float32 and float64: one of 5000
-        # values or so, which moves its outputs by up to a bfloat16 step of the weight times a value
+        # values or so, which moves its query's outputs in that head (up to D of them) by up to a bfloat16 step of
+        # the weight times a value; so a rare (query, head) may be off, not a rare output
         np.testing.assert_allclose(out, ref, atol=1e-2, err_msg=f"paired={paired}")
-        off = np.abs(out - ref) > 1e-5 + 1e-4 * np.abs(ref)
+        off = (np.abs(out - ref) > 1e-5 + 1e-4 * np.abs(ref)).reshape(len(out), H, D).any(axis=2)
         assert off.sum() <= max(1, off.size // 100), (paired, off.sum(), off.size)
 
 
@@ -312,15 +321,18 @@ def test_rows_product(V, C, R, bias, accumulate, n_chunks, seed):
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
-@given(V=st.integers(1, 40), C=dims, R=st.integers(2, 9), bits=st.booleans(), n_chunks=st.integers(1, 3),
-       seed=st.integers(0, 2**32 - 1))
+@given(V=st.integers(1, 40), C=st.integers(1, 80), R=st.integers(2, 9), bits=st.sampled_from(["", "w", "wx"]),
+       n_chunks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_a_row_alone_gives_the_bits_it_gives_among_others(V, C, R, bits, n_chunks, seed):
     """A row's products alone (a decode step) and in tiles with other rows (a batch, a prompt): the same bits,
-    float32 or bfloat16 bits, their sums taken in an order no optimizer may change (rowtiles._sums_typed)."""
+    W float32 or bfloat16 bits, x float32 or bfloat16 bits too (bfloat16 activations: vdpbf16ps where the CPU has
+    it), their sums taken in an order no optimizer may change (rowtiles._sums_typed)."""
     rng = np.random.default_rng(seed)
     w, h = randn(rng, V, C), randn(rng, R, C)
-    if bits:
+    if "w" in bits:
         w = (w.view(np.uint32) >> 16).astype(np.uint16)
+    if "x" in bits:
+        h = (h.view(np.uint32) >> 16).astype(np.uint16)
     together = np.empty((R, V), np.float32)
     matkernels._rows_product(w, h, None, together, False, n_chunks)
     for r in range(R):

@@ -62,14 +62,29 @@ def _times_cache_typed(a, ks, runs, lo, hi, layer, h, n, dense, out, half, keys)
     return blas
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
+@njit(cache=True, nogil=True, fastmath=False)
 def _query_scores(q, keys, first, end, shift, s):
-    """s[0, t] = q[0] . keys[t + shift] for first <= t < end: one query's scores. q: (1, D); keys: (rows, D);
-    s: (1, n)."""
+    """s[0, t] = q[0] . keys[t + shift] for first <= t < end: one query's scores, each summed in kernels._sum's
+    order (eight running sums along the head's width, added pairwise, then the rest), not fast-math, for its
+    reasons. q: (1, D); keys: (rows, D); s: (1, n)."""
+    D = q.shape[1]
+    whole = D - D % 8
     for t in range(first, end):
-        s[0, t] = 0.0  # (summed in place: a local sum, inlined, trips Numba 0.59's check of its SSA form)
-        for d in range(q.shape[1]):
-            s[0, t] += q[0, d] * keys[t + shift, d]
+        k = keys[t + shift]
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+        for d in range(0, whole, 8):
+            s0 += q[0, d] * k[d]
+            s1 += q[0, d + 1] * k[d + 1]
+            s2 += q[0, d + 2] * k[d + 2]
+            s3 += q[0, d + 3] * k[d + 3]
+            s4 += q[0, d + 4] * k[d + 4]
+            s5 += q[0, d + 5] * k[d + 5]
+            s6 += q[0, d + 6] * k[d + 6]
+            s7 += q[0, d + 7] * k[d + 7]
+        total = ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7))
+        for d in range(whole, D):
+            total += q[0, d] * k[d]
+        s[0, t] = total
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
@@ -142,7 +157,7 @@ def _softmax_exp(row, scale, bits):
     for t in range(row.size):
         row[t] = (row[t] - peak) * scale
     _exp_inplace(row, bits[: row.size])
-    return _ONE / _sum(row)
+    return _ONE / _sum(row, np.float32(0.0), np.float32(0.0), False)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")

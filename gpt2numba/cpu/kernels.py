@@ -86,48 +86,48 @@ def _row_max(x):
     return _as_float32(np.uint32(peak ^ ((peak >> 31) & np.int32(0x7FFFFFFF))))
 
 
+# Not inline and not fast-math, either of which would hand its order to the caller's optimizer
 @njit(cache=True, nogil=True, fastmath=False)
-def _sum(x):
-    """The sum of float32 x (n,), added in one order whatever the compiler: eight running sums, the j-th over
-    x[j], x[j + 8], ..., then added pairwise and the last n % 8 in turn. Not fast-math, so that nothing may
-    reorder it: a fast-math reduction's order is the compiler's, and Numba 0.59 gave attention's softmax (an
-    array's .sum() there) other bits in the process that compiled it than in those that loaded it from its
-    cache. The eight sums vectorise as they stand."""
+def _sum(x, zero, shift, square):
+    """The sum of x[j] - shift, or of its squares when ``square``, over float x (n,), in zero's type (a float32
+    or a float64 0): eight running sums, the k-th over j = k, k + 8, ..., added pairwise, then the last n % 8
+    in turn, an order written out, which the eight sums' vectors keep. Fast-math would let the optimizer choose
+    the order, and Numba 0.59 optimizes a callee twice (alone, and again inside each kernel that calls it) and
+    runs one or the other as the kernel was compiled or loaded from the cache: a reduction's bits then followed
+    the process."""
     n = x.size
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
     whole = n - n % 8
     for i in range(0, whole, 8):
-        s0 += x[i]
-        s1 += x[i + 1]
-        s2 += x[i + 2]
-        s3 += x[i + 3]
-        s4 += x[i + 4]
-        s5 += x[i + 5]
-        s6 += x[i + 6]
-        s7 += x[i + 7]
+        s0 += _term(x[i], shift, square)
+        s1 += _term(x[i + 1], shift, square)
+        s2 += _term(x[i + 2], shift, square)
+        s3 += _term(x[i + 3], shift, square)
+        s4 += _term(x[i + 4], shift, square)
+        s5 += _term(x[i + 5], shift, square)
+        s6 += _term(x[i + 6], shift, square)
+        s7 += _term(x[i + 7], shift, square)
     total = ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7))
     for i in range(whole, n):
-        total += x[i]
+        total += _term(x[i], shift, square)
     return total
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
+@njit(nogil=True, fastmath=False, inline="always")
+def _term(v, shift, square):
+    d = v - shift
+    return d * d if square else d
+
+
+@njit(cache=True, nogil=True, fastmath=False)
 def _layernorm_rows(x, g, b, eps, out, start, end):
-    """out[i] = (x[i] - mean) / sqrt(var + eps) * g + b for rows start..end-1, biased variance.
-    x, out: (T, C); g, b: (C,)."""
+    """out[i] = (x[i] - mean) / sqrt(var + eps) * g + b for rows start..end-1, biased variance, the mean and the
+    variance summed in float64 in _sum's order. x, out: (T, C); g, b: (C,)."""
     C = x.shape[1]
     for i in range(start, end):
         row, dest = x[i], out[i]
-        mean = 0.0
-        for j in range(C):
-            mean += row[j]
-        mean /= C
-        var = 0.0
-        for j in range(C):
-            d = row[j] - mean
-            var += d * d
-        var /= C
-        rstd = 1.0 / math.sqrt(var + eps)
+        mean = _sum(row, 0.0, 0.0, False) / C
+        rstd = 1.0 / math.sqrt(_sum(row, 0.0, mean, True) / C + eps)
         for j in range(C):
             dest[j] = (row[j] - mean) * rstd * g[j] + b[j]
 

@@ -241,7 +241,7 @@ def _head_log_softmax(wte, scale, inputs, targets, logprob, best, n_chunks):
                     for k in range(c1 - c0):
                         row[k] -= m
                     _exp_inplace(row, bits)
-                    total[c, r] += _sum(row)
+                    total[c, r] += _sum(row, np.float32(0.0), np.float32(0.0), False)
     for r in range(R):
         top = 0
         for c in range(1, n_chunks):

@@ -75,8 +75,8 @@ def _sums_typed(R, O, w, x, sums):
     sums; else both widened), C order;
     sums: float32 (R * O rounded up to LANES,). Rows past T or v1 repeat the last (their sums are for the caller
     to drop). Every sum is taken in one order, lane by lane along K and then across the lanes (_lane_sums),
-    whatever R and O, with no fast-math flags: a row's sums have the same bits in any tile, and no optimizer may
-    reorder them (a fast-math loop's order is the optimizer's, and Numba 0.59 runs a kernel's callee as compiled
+    whatever R and O, with no reassociation (only `contract`, which every copy fuses alike): a row's sums have the
+    same bits in any tile, and no optimizer may reorder them (a fast-math loop's order is the optimizer's, and Numba 0.59 runs a kernel's callee as compiled
     alone in the process that compiled it, as optimized again inside the kernel in those that load it).
     """
     def is_c(a, dtypes, ndim):
