@@ -13,8 +13,8 @@ _AVX512 = _AVX2 | {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
 TABLE = {
     "AVX-512 with VNNI": (_AVX512 | {"avx512vnni"}, (64, 64, 64, 16, 12, 512), (True, 32, False, (256, 512))),
     "AVX-512": (_AVX512, (64, 64, 64, 10, 4, 0), (True, 32, False, ())),
-    "AVX2 with AVX-VNNI": (_AVX2 | {"avxvnni"}, (3, 7, 10, 10, 8, 256), (True, 16, True, (256,))),
-    "AVX2": (_AVX2, (3, 7, 10, 10, 7, 0), (True, 16, True, ())),
+    "AVX2 with AVX-VNNI": (_AVX2 | {"avxvnni"}, (32, 64, 16, 16, 8, 256), (True, 16, True, (256,))),
+    "AVX2": (_AVX2, (32, 64, 16, 16, 12, 0), (True, 16, True, ())),
     "AVX": (_SSE | {"avx"}, (3, 7, 10, 10, 4, 0), (False, 8, False, ())),
     "SSE2": (_SSE, (3, 7, 10, 10, 4, 0), (False, 8, False, ())),
     "not x86": (None, (64, 64, 64, 10, 4, 0), (True, 0, False, ())),
@@ -27,6 +27,13 @@ def test_choices_per_instruction_set(isa):
     c = dispatch.choose(None if features is None else frozenset(features))
     assert (c.rows_max, c.bf16_rows_max, c.head_rows_max, c.int_rows_max, c.int4_rows_max, c.tile_vnni) == thresholds
     assert (c.f16c, c.madd_width, c.byte_madd, c.nibble_vnni) == instructions
+    # bfloat16 activations' rows leave the tiles: for vdpbf16ps's panels, or (without it) for BLAS
+    assert c.bf16_dot_rows_max == (24 if c.madd_width == 16 else c.bf16_rows_max)
+
+
+def test_bfloat16_dot_products_leave_the_tiles_at_32_rows():
+    zen4 = dispatch.choose(frozenset(_AVX512 | {"avx512vnni", "avx512bf16"}))
+    assert (zen4.bf16_dot, zen4.bf16_dot_rows_max) == (True, 32)
 
 
 def test_the_matrix_tiles_need_all_three_features():

@@ -35,6 +35,7 @@ def test_bench_script(tmp_path):
     assert set(report["decode"]["4"]) >= {"gpt2numba", "gpt2numba bfloat16", "gpt2numba int8"}
     assert report["accuracy"]["int8"]["max_abs_diff_vs_oracle"] < oracle.ATOL_INTEGER
     assert "prefill" in r.stdout and "decode floor" in r.stdout
+    assert "row thresholds: rows_max" in r.stdout and "`gpt2numba tune` measures them" in r.stdout
 
 
 def test_cold_start_script(tmp_path):
@@ -420,6 +421,20 @@ def test_shared_prefix_script(tmp_path):
     assert report["samples"] == 12 and report["greedy_differ"] == 0
     assert report["max_abs_logprob_diff"] < 1e-5 and report["score_batch"]["max_abs_logprob_diff"] < 1e-5
     assert "speed-up" in r.stdout
+
+
+def test_thresholds_study(tmp_path):
+    """profiling/studies/thresholds.py on a tiny model: tokens/s per batch size with this process's thresholds and
+    others, each against one sequence's."""
+    write_dir(g.random_weights(TINY, seed=0), tmp_path)
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "studies" / "thresholds.py"), "--model", str(tmp_path),
+                        "--against", "rows_max=1", "int_rows_max=2", "--dtypes", "float32", "int8", "--batch", "1", "4",
+                        "--context", "8", "--steps", "2", "--rounds", "1"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if " B= " in line]
+    assert [line.split(" B=")[0] for line in lines] == ["float32", "float32", "int8", "int8"]
+    assert all("these/against" in line and "(1.00x)" in line for line in lines[::2])
+    assert "against: {'rows_max': 1, 'int_rows_max': 2}" in r.stdout
 
 
 def test_kv_dtype_script(tmp_path):

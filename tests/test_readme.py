@@ -151,3 +151,10 @@ def test_docs_examples_print_what_they_show(doc, tmp_path):
             f"{doc}: {command}\nshown:\n" + "\n".join(expected) + "\nprinted:\n" + done.stdout)
         checked += 1
     assert checked >= 2
+
+
+@pytest.mark.parametrize("page, most", [("README.md", 200), ("docs/performance.md", 399)])
+def test_the_pages_a_reader_opens_first_stay_short(page, most):
+    """The README and the performance page are read, not searched: detail goes to docs/ and the history file."""
+    lines = (ROOT / page).read_text().count("\n")
+    assert lines <= most, f"{page} has {lines} lines (at most {most}): move detail to docs/ or the history"

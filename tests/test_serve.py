@@ -538,3 +538,17 @@ def test_echo_runs_the_prompt_once_for_the_n_choices(monkeypatch):
         assert e["text"] == "Echo me" + p["text"]
         assert e["logprobs"]["tokens"][n_prompt:] == p["logprobs"]["tokens"]
         assert e["logprobs"]["token_logprobs"][n_prompt:] == pytest.approx(p["logprobs"]["token_logprobs"], abs=1e-5)
+
+
+def test_the_start_says_which_row_thresholds_serve(caplog):
+    """serve does not tune on its start (docs/performance.md, "Tuned on this machine"): it logs the thresholds it
+    takes, and where they came from, so that an operator sees whether `gpt2numba tune` ran on this machine."""
+    from starlette.testclient import TestClient
+
+    from gpt2numba import serve
+
+    w = g.random_weights(CONFIG, seed=5)
+    with caplog.at_level("INFO", logger="gpt2numba"), TestClient(serve.create_app(w, g.load_tokenizer(), max_batch=1)):
+        pass
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("row thresholds: ")]
+    assert len(said) == 1 and "rows_max" in said[0] and "`gpt2numba tune` measures them" in said[0]

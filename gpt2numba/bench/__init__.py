@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ndrew {args.plot}")
     m = report["machine"]
     print(f"\nmachine: {m['cpu']}, {m['cpus']} CPUs; the integer tiles multiply with {m['integer_tiles']}; "
-          f"gpt2numba's use of Intel's matrix tiles (AMX): {m['amx']}")
+          f"gpt2numba's use of Intel's matrix tiles (AMX): {m['amx']}\nrow thresholds: {m['thresholds']}")
     return _write(report, args.json)
 
 

@@ -490,13 +490,13 @@ def in_turns(conditions, rounds):
 
 
 def machine():
-    """What the figures were measured on: the CPU (as Linux names it), how the integer tiles multiply on it, and
-    whether Intel's matrix tiles (AMX) ran."""
-    from ..cpu import amx, inttiles
-    from ..cpu.dispatch import cpu_name
+    """What the figures were measured on: the CPU (as Linux names it), how the integer tiles multiply on it,
+    whether Intel's matrix tiles (AMX) ran, and the row thresholds (defaults or `gpt2numba tune`'s)."""
+    from ..cpu import amx, dispatch, inttiles
 
-    return {"cpu": cpu_name(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
-            "integer_tiles": "vpdpbusd (VNNI)" if inttiles.QUADS else "pmaddwd", "amx": amx.describe()}
+    return {"cpu": dispatch.cpu_name(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+            "integer_tiles": "vpdpbusd (VNNI)" if inttiles.QUADS else "pmaddwd", "amx": amx.describe(),
+            "thresholds": dispatch.describe_tuning()}
 
 
 # --- printing -------------------------------------------------------------------------------------------

@@ -8,14 +8,15 @@ on the CPUs that matter (tests/test_dispatch.py holds choose() to this table):
     instruction set                ROWS_MAX  BF16_ROWS_MAX  HEAD_ROWS_MAX  INT_ROWS_MAX  INT4_ROWS_MAX  integer tiles
     AVX-512 with VNNI (Zen 4)         64          64             64            16            12       vpdpbusd, 512 bits
     AVX-512 (Skylake-X)               64          64             64            10             4       pmaddwd, 512 bits
-    AVX2 with AVX-VNNI (Alder Lake)    3           7             10            10             8       vpdpbusd, 256 bits
-    AVX2 (Zen 3)                       3           7             10            10             7       pmaddwd, 256 bits
+    AVX2 with AVX-VNNI (Alder Lake)   32          64             16            16             8       vpdpbusd, 256 bits
+    AVX2 (Zen 3)                      32          64             16            16            12       pmaddwd, 256 bits
     SSE2 or AVX                        3           7             10            10             4       pmaddwd, 128 bits
     not x86                           64          64             64            10             4       generic vectors
 
 amx says whether the CPU has Intel's matrix tiles (amx-tile, amx-bf16, amx-int8: amx.py, which asks Linux for
-them); no product runs on them yet. bf16_dot_rows_max, where bfloat16 activations' products leave rowtiles' tiles for paneltiles' panels, is 32
-with AVX512_BF16 (where `vdpbf16ps` multiplies them) and BF16_ROWS_MAX's value elsewhere.
+them); no product runs on them yet. bf16_dot_rows_max, where bfloat16 activations' products leave rowtiles' tiles
+for paneltiles' panels, is 32 with AVX512_BF16 (where `vdpbf16ps` multiplies them), 24 with AVX2 (where BLAS takes
+them) and BF16_ROWS_MAX's value elsewhere.
 Each number's measurement is one line beside it, in full in docs/performance.md, "Thresholds" (2 vCPUs,
 GPT-2 small's matrices). `gpt2numba tune` measures the row thresholds on the CPU it runs on and writes
 them to a file (tuning.py) whose values replace this table's here, at import; DEFAULTS keeps the table's.
@@ -82,31 +83,37 @@ def choose(features: frozenset[str] | None) -> Choices:
     nibble_vnni = ((256, 512) if "avx512vnni" in f else (256,)) if GROUP == 32 and vnni_256 else ()
     tile_vnni = 512 if madd_width == 32 and "avx512vnni" in f else 256 if madd_width == 16 and vnni_256 else 0
     avx512 = features is None or "avx512f" in f  # (off x86, unmeasured: as AVX-512)
+    avx2 = madd_width == 16  # (AVX2 without AVX-512)
     bf16_dot = madd_width == 32 and "avx512bf16" in f
-    bf16_rows_max = 64 if avx512 else 7
-    # Each threshold's measurement in one line; in full in docs/performance.md, "Thresholds".
+    bf16_rows_max = 64 if avx512 or avx2 else 7
+    # Each threshold's measurement in one line; in full in docs/performance.md, "Thresholds". AVX2's: `gpt2numba
+    # tune` on AMD EPYC Zen 3 (2 vCPUs, 2026-12-07), ms of the few-rows kernel / the other's, two runs
     return Choices(
         f16c=features is None or "f16c" in f,  # (ARM converts half floats in instructions)
         madd_width=madd_width, byte_madd=byte_madd, nibble_vnni=nibble_vnni, tile_vnni=tile_vnni,
         bf16_dot=bf16_dot,
-        # AVX2: BLAS took 0.88x the kernel's time at 2 rows, 1.04-1.08x at 3, 0.93-0.97x at 4 (the kernel before the
-        # tiles, on the matrix [in, out]; not measured since on AVX2); AVX-512: 64 won
-        rows_max=64 if avx512 else 3,
-        # AVX2: BLAS on the widened matrix took 1.25x the kernel's time at 4 rows, 1.17x at 6, 0.97x at 8 (the kernel
-        # before bfloat16 was kept [out, in]); AVX-512: 8.0-8.2 ms a layer at 64 rows, BLAS 10.3 at 80
+        # AVX2, the tiles against BLAS: 8 rows 6.7/18.6 and 6.8/14.3, 32 rows 24.0/24.0 and 21.1/22.7, 48 rows
+        # 63.5/46.7 and 26.8/25.7; AVX-512: 64 won; SSE2 and AVX: BLAS from 4 rows (before the tiles)
+        rows_max=64 if avx512 else 32 if avx2 else 3,
+        # AVX2: 8 rows 5.3/30.9 and 5.5/16.5, 64 rows 36.7/42.5 and 32.4/33.4; AVX-512: 8.0-8.2 ms a layer at 64
+        # rows, BLAS 10.3 at 80; SSE2 and AVX: BLAS on the widened matrix 0.97x the old kernel's time at 8 rows
         bf16_rows_max=bf16_rows_max,
-        # AVX2: BLAS took 1.01-1.02x at 8 rows, 0.97-1.02x at 12 (before the tiles); AVX-512, the tiles: BLAS took
-        # 1.68x their time at 16 rows, 1.28x at 32, 1.02x at 64 in float32, 2.32x, 1.73x, 1.31x in bfloat16
-        head_rows_max=64 if avx512 else 10,
+        # AVX2: 8 rows 9.2/14.3 and 8.4/14.6, 16 rows 16.0/17.9 and 15.8/16.9, 24 rows 21.4/19.8 and 20.8/21.5;
+        # AVX-512, the tiles: BLAS took 1.68x their time at 16 rows, 1.28x at 32, 1.02x at 64 in float32, 2.32x,
+        # 1.73x, 1.31x in bfloat16; SSE2 and AVX: BLAS 0.97-1.02x at 12 rows (before the tiles)
+        head_rows_max=64 if avx512 else 16 if avx2 else 10,
         # AVX-512 VNNI (vpdpbusd, four rows at once): a decode_batch step of 16 rows 35-36 ms against the tiles'
-        # 44-46, 24 rows the same; else 10 rows 5.4 ms against the tiles' 5.9, 12 rows 6.3 against 5.9 (AVX2)
-        int_rows_max=16 if 512 in nibble_vnni else 10,
+        # 44-46, 24 rows the same; AVX2: 12 rows 7.4/7.5 and 7.3/9.2, 16 rows 9.2/8.9 and 11.4/11.5, 24 rows
+        # 14.4/11.7 and 13.4/12.6; else 10 rows 5.4 ms against the tiles' 5.9, 12 rows 6.3 against 5.9 (Zen 3, before)
+        int_rows_max=16 if 512 in nibble_vnni or avx2 else 10,
         # AVX-512 VNNI: 12 rows 27-31 ms a step against the tiles' 37, 16 rows 38-45 against 39; AVX-VNNI: 8 rows 27.2
-        # against 33.6 (before four rows at once); AVX2: 7 rows 17.2 against 18.5; else 4: 3.0 against 3.1
-        int4_rows_max=12 if 512 in nibble_vnni else 8 if nibble_vnni else 7 if byte_madd else 4,
+        # against 33.6 (before four rows at once); AVX2: 12 rows 7.3/7.5 and 7.8/8.7, 16 rows 9.6/9.5 and 10.7/10.2;
+        # else 4: 3.0 against 3.1
+        int4_rows_max=12 if 512 in nibble_vnni else 8 if nibble_vnni else 12 if byte_madd else 4,
         # AVX512_BF16 (Zen 4): 4 layers' matrices, 24 rows 7.3 ms in the tiles, 7.7 in panels; 32 rows 8.5 and
-        # 8.5; 48 rows 12.0 and 10.0; without it, tiles that widen both operands against BLAS, as bfloat16's own
-        bf16_dot_rows_max=32 if bf16_dot else bf16_rows_max,
+        # 8.5; 48 rows 12.0 and 10.0; AVX2, tiles that widen both operands against BLAS: 24 rows 15.7/20.2 and
+        # 28.3/36.6, 32 rows 37.4/38.2 and 27.0/26.2, 48 rows 35.8/30.5 and 38.4/31.3; else as bfloat16's own
+        bf16_dot_rows_max=32 if bf16_dot else 24 if avx2 else bf16_rows_max,
         amx=set(AMX_FEATURES) <= f,
     )
 
@@ -145,7 +152,9 @@ def describe_tuning() -> str:
         f" (measured; default {getattr(DEFAULTS, name)})" if name in TUNING.values else " (default)")
         for name in tuning.TUNABLE)
     if not TUNING.values:
-        return f"{values}: {TUNING.why_not} (`gpt2numba tune` measures them)"
+        return (f"{values}: {TUNING.why_not}; `gpt2numba tune` measures them on this CPU in a minute or two (from how "
+                "many rows each format's products leave the few-rows kernels for BLAS or the integer tiles), and every "
+                "later process here takes them")
     threads = TUNING.entry.get("measured", {}).get("threads", "?")
     return (f"{values}: measured by `gpt2numba tune` with {threads} threads on {TUNING.entry.get('written', '?')}, "
             f"from {TUNING.path}")

@@ -30,6 +30,7 @@ from starlette.responses import FileResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from ..cpu import dispatch
 from ..model import checks
 from ..model.weights import GPT2Weights
 from ..text.tokenizer import Tokenizer
@@ -308,6 +309,7 @@ class Routes:
         await loop.run_in_executor(None, self.engine.start)
         log.info("serving %s (%s) with up to %d sequences per step", self.model_name, self.engine.w.dtype,
                  self.engine.batch.size)
+        log.info("row thresholds: %s", dispatch.describe_tuning())  # (serve does not tune: docs/performance.md)
         yield
         await loop.run_in_executor(None, self.engine.stop)
 
