@@ -20,27 +20,42 @@ from .errors import (
     TokenError,
     TokenTypeError,
 )
-from .model.config import GPT2Config
-from .model.weights import GPT2Weights, random_weights
-from .model.checkpoints import load_weights, save_weights
-from .model.kvcache import KV_DTYPES, ModelCache
-from .model.forward import (
-    decode_batch,
-    decode_step,
-    default_weights,
-    embed_token,
-    get_threads,
-    prefill,
-    prefill_batch,
-    run_prefill,
-    set_threads,
-)
-from .model.oracle import recompute_all_logits, recompute_logits
-from .text.tokenizer import Tokenizer, load_tokenizer
-from .text.scoring import Score, perplexity, score, score_batch, score_text
-from .decoding.sample import Sampler, generate, generate_batch, generate_text, generate_text_batch
-from .decoding.beams import Hypothesis, beam_search, beam_search_batch
-from .decoding.constraints import Constraint, constraint
+# Everything else is imported on first use (PEP 562), so that `import gpt2numba` costs neither Numba nor NumPy:
+# a command, a server's worker or a notebook pays for what it calls (docs/performance.md, "Start").
+_LAZY = {
+    ".model.config": ("GPT2Config",),
+    ".model.weights": ("GPT2Weights", "random_weights"),
+    ".model.checkpoints": ("load_weights", "save_weights"),
+    ".model.kvcache": ("KV_DTYPES", "ModelCache"),
+    ".model.forward": ("decode_batch", "decode_step", "default_weights", "embed_token", "get_threads", "prefill",
+                       "prefill_batch", "run_prefill", "set_threads"),
+    ".model.oracle": ("recompute_all_logits", "recompute_logits"),
+    ".text.tokenizer": ("Tokenizer", "load_tokenizer"),
+    ".text.scoring": ("Score", "perplexity", "score", "score_batch", "score_text"),
+    ".decoding.sample": ("Sampler", "generate", "generate_batch", "generate_text", "generate_text_batch"),
+    ".decoding.beams": ("Hypothesis", "beam_search", "beam_search_batch"),
+    ".decoding.constraints": ("Constraint", "constraint"),
+}
+_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
+_ROOMS = ("cpu", "model", "text", "decoding")  # gpt2numba.cpu and the like, found as once imported with the package
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
+    elif name in _ROOMS:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # (once: the next lookup finds it without calling here)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "GPT2Config", "GPT2Weights", "ModelCache", "KV_DTYPES",
@@ -54,7 +69,3 @@ __all__ = [
     "Constraint", "constraint",
 ]
 __version__ = "0.1.0"
-
-from .cpu import numbacache as _numbacache
-
-_numbacache.guard(__name__)  # every kernel's cache files under a lock, for processes compiling at once

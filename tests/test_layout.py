@@ -4,6 +4,8 @@ read in one place."""
 import ast
 import importlib
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -156,6 +158,23 @@ def test_documented_paths_of_moved_modules():
     from gpt2numba.integrations import distributed as moved
 
     assert distributed.score_dataset is moved.score_dataset and distributed.generate_dataset is moved.generate_dataset
+
+
+def test_the_package_imports_its_modules_on_first_use():
+    """`import gpt2numba` loads neither Numba nor NumPy (a command or a worker pays for what it calls); each
+    public name is then found, in a room below the package's own, and dir() lists it."""
+    code = ("import sys, gpt2numba; print(sorted({m.split('.')[0] for m in sys.modules} & {'numba', 'numpy', "
+            "'llvmlite', 'scipy', 'safetensors', 'tiktoken'}), sorted(m for m in sys.modules if m.startswith('gpt2numba')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "['gpt2numba',", "'gpt2numba.errors']"], out
+    floor = {r: level for level, rooms in enumerate(FLOORS) for r in rooms}
+    assert set(gpt2numba._MODULE_OF) | {n for n in gpt2numba.__all__ if n.endswith("Error")} == set(gpt2numba.__all__)
+    for name, module in gpt2numba._MODULE_OF.items():
+        assert floor[room("gpt2numba" + module)] < floor["__init__"], module
+        assert getattr(gpt2numba, name) is getattr(importlib.import_module("gpt2numba" + module), name)
+    assert set(gpt2numba.__all__) <= set(dir(gpt2numba))
+    with pytest.raises(AttributeError, match="no attribute 'prefil'"):
+        gpt2numba.prefil
 
 
 def test_a_short_top_level():

@@ -9,13 +9,14 @@ holds the code of its own signature; unguarded (Numba as it is), they collide.
 
 import os
 import pickle
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
-import gpt2numba  # noqa: F401  (guards the kernels' cache files at import)
+import gpt2numba
 from gpt2numba.cpu import numbacache
 
 _MODULE = """
@@ -95,10 +96,18 @@ def test_two_processes_compiling_two_signatures_at_once_keep_each_ones_code(tmp_
 
 
 def test_every_kernel_of_the_package_is_guarded():
-    """Every cached @njit and @cfunc of gpt2numba (the text view's too, imported later) loads and saves under
-    the lock."""
-    import gpt2numba.text.tokenview  # noqa: F401
+    """Every cached @njit and @cfunc of gpt2numba loads and saves under the lock, whichever module holds it and
+    whenever it is imported (the package imports its modules on first use: each guards its own)."""
+    import importlib
+    from pathlib import Path
 
+    package = Path(gpt2numba.__file__).parent
+    holding = [".".join(("gpt2numba", *path.relative_to(package).with_suffix("").parts))
+               for path in sorted(package.rglob("*.py")) if re.search(r"@(njit|cfunc)\(.*cache=True", path.read_text())]
+    assert len(holding) > 10, holding
+    for module in holding:
+        importlib.import_module(module)
     kinds = {name: type(files).__name__ for name, files in numbacache.cache_files("gpt2numba").items()}
     assert len(kinds) > 50, kinds
+    assert set(holding) - {"gpt2numba.cpu.numbacache"} <= {name.rsplit(".", 1)[0] for name in kinds}
     assert set(kinds.values()) == {"LockedCacheFile"}, {k: v for k, v in kinds.items() if v != "LockedCacheFile"}

@@ -75,6 +75,7 @@ _MANY = """
 import numpy as np, numba
 from numba import njit, prange
 from gpt2numba.cpu import pool
+import gpt2numba.model.forward  # (its import launches Numba's layer and installs the pool)
 assert pool._state[pool.NWORK] == 11, pool._state[pool.NWORK]
 
 @njit(parallel=True)

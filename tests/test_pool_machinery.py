@@ -17,6 +17,7 @@ import pytest
 
 import gpt2numba as g
 from gpt2numba.cpu import pool
+import gpt2numba.model.forward  # (its import launches Numba's layer and installs the pool)
 
 from conftest import TINY
 
@@ -44,6 +45,7 @@ import numpy as np
 sys.path.insert(0, "tests")
 import gpt2numba as g
 from gpt2numba.cpu import pool
+import gpt2numba.model.forward  # (its import launches Numba's layer and installs the pool)
 from conftest import TINY
 
 w = g.random_weights(TINY, seed=2)
@@ -147,6 +149,7 @@ warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as caught:
     import gpt2numba as g
     from gpt2numba.cpu import pool
+import gpt2numba.model.forward  # (its import launches Numba's layer and installs the pool)
     from conftest import TINY
     logits = g.prefill(np.arange(40) * 3 % 512, g.random_weights(TINY, seed=2), g.ModelCache(TINY))
 ours = [str(w.message) for w in caught if "gpt2numba's thread pool is off" in str(w.message)]
@@ -309,6 +312,7 @@ sys.path.insert(0, "tests")
 {patch}
 import gpt2numba as g
 from gpt2numba.cpu import pool
+import gpt2numba.model.forward  # (its import launches Numba's layer and installs the pool)
 from conftest import TINY
 logits = g.prefill(np.arange(40) * 3 % 512, g.random_weights(TINY, seed=2), g.ModelCache(TINY))
 print(len(pool._threads) + 1, bool(pool._cpus))
@@ -337,6 +341,7 @@ import numpy as np
 sys.path.insert(0, "tests")
 import gpt2numba as g
 from gpt2numba.cpu import pool
+import gpt2numba.model.forward  # (its import launches Numba's layer and installs the pool)
 from conftest import TINY
 before = len(pool._threads) + 1
 g.set_threads(2)
@@ -366,6 +371,7 @@ sys.path.insert(0, "tests")
 warnings.simplefilter("error", RuntimeWarning)
 import gpt2numba as g
 from gpt2numba.cpu import pool
+import gpt2numba.model.forward  # (its import launches Numba's layer and installs the pool)
 from conftest import TINY
 g.set_threads({n})
 w = g.random_weights(TINY, seed=2)
@@ -424,6 +430,7 @@ import numpy as np
 sys.path.insert(0, "tests")
 import gpt2numba as g
 from gpt2numba.cpu import pool
+import gpt2numba.model.forward  # (its import launches Numba's layer and installs the pool)
 from conftest import TINY
 print(pool.describe(), flush=True)
 g.prefill(np.arange(40) * 3 % 512, g.random_weights(TINY, seed=2), g.ModelCache(TINY))
@@ -470,6 +477,7 @@ def test_a_second_process_on_claimed_cpus_runs_unpinned_and_says_why(tmp_path):
 
 _SECOND = """
 from gpt2numba.cpu import pool
+import gpt2numba.model.forward  # (its import launches Numba's layer and installs the pool)
 with pool.pinned():  # a forward pass's entry
     print(pool.describe(), pool._cpus)
 """
@@ -481,6 +489,7 @@ import numpy as np
 sys.path.insert(0, "tests")
 import gpt2numba as g
 from gpt2numba.cpu import pool
+import gpt2numba.model.forward  # (its import launches Numba's layer and installs the pool)
 from conftest import TINY
 
 w = g.random_weights(TINY, seed=2)
@@ -503,6 +512,7 @@ import numpy as np
 sys.path.insert(0, "tests")
 import gpt2numba as g
 from gpt2numba.cpu import pool
+import gpt2numba.model.forward  # (its import launches Numba's layer and installs the pool)
 from conftest import TINY
 
 w = g.random_weights(TINY, seed=2)

@@ -228,6 +228,7 @@ _WORKQUEUE_THREADS = """
 import concurrent.futures, sys
 sys.path.insert(0, "tests")
 import numba, numpy as np
+import gpt2numba.model.forward  # (its import launches Numba's layer)
 import gpt2numba as g
 from conftest import TINY
 assert numba.threading_layer() == "workqueue", numba.threading_layer()
@@ -307,6 +308,7 @@ def test_load_tbb_finds_the_wheels_copy(tmp_path):
                 Loader.loaded |= str(name).endswith("libtbb.so.12")
         ctypes.CDLL = Loader
         import numba
+        import gpt2numba.model.forward  # (its import launches Numba's layer)
         from gpt2numba.cpu import threadlayer
         print(json.dumps([numba.threading_layer(), threadlayer.describe()]))
     """)

@@ -14,4 +14,4 @@ def stream_sum(a):
     return total
 
 
-numbacache.guard(__name__)  # (a module imported after the package's own guard)
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)

@@ -28,7 +28,7 @@ import threading
 import numpy as np
 from numba import njit
 
-from . import dispatch
+from . import dispatch, numbacache
 from ..errors import ConfigError
 from .dispatch import AMX_FEATURES, GROUP
 from .kernels import _from_bfloat16, _to_bfloat16
@@ -151,3 +151,6 @@ def split_hi_lo(x, hi, lo):
             high = _to_bfloat16(x[t, k])
             hi[t, k] = high
             lo[t, k] = _to_bfloat16(x[t, k] - _from_bfloat16(high))
+
+
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)

@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from . import paneltiles
+from . import numbacache, paneltiles
 from .blas import _gemm
 from .chunks import _claimed
 from .kernels import (_ONE, FASTMATH, _cache_of, _exp_inplace, _from_bfloat16, _rounded, _row_max, _sum, _to_bfloat16,
@@ -313,3 +313,6 @@ def _attend(qkv, ks, vs, runs, run0, layer, row0, pos0, tiles, bounds, out, scra
                 for i in range(m):
                     for d in range(D):
                         out[first + i, h * D + d] = q[i, d]
+
+
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)

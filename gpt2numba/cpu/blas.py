@@ -29,6 +29,8 @@ from llvmlite import ir
 from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
+from . import numbacache
+
 SGEMM, SGEMV = "gpt2numba_cblas_sgemm", "gpt2numba_cblas_sgemv"
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS's enums
 _f32p = types.CPointer(types.float32)
@@ -219,3 +221,6 @@ def _leading(m):
     """The leading dimension BLAS takes for a 2-D float32 array with contiguous rows: its row stride in elements;
     for a single row, whose stride NumPy may set to anything (BLAS refuses less than a row), the row's length."""
     return m.strides[0] // 4 if m.shape[0] > 1 else m.shape[1]
+
+
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)

@@ -31,6 +31,8 @@ changes what the chunk computes, so results do not depend on the scheduling.
 from numba import njit, types
 from numba.extending import intrinsic
 
+from . import numbacache
+
 
 @intrinsic
 def _claim(typingctx, counter):
@@ -65,3 +67,6 @@ def _span(c, n_chunks, total, align):
     step = ((total + n_chunks - 1) // n_chunks + align - 1) // align * align
     start = min(total, c * step)
     return start, min(total, start + step)
+
+
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)

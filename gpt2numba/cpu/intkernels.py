@@ -19,6 +19,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from . import numbacache
 from .chunks import _claimed, _span
 from .dispatch import GROUP as _GROUP, BYTE_MADD, MADD_WIDTH, NIBBLE_VNNI, PREFETCH_BYTES
 from .kernels import _as_float32, _as_uint32, _put
@@ -402,3 +403,6 @@ def _int_matmul(x, xq, xs, w, scale, b, out, accumulate, n_chunks):
     """out (+)= x @ W.T (+ b): x quantised into xq, xs (_quantize_rows), then _int_rows; one call from Python."""
     _quantize_rows(x, xq, xs)
     _int_rows(xq, xs, w, scale, b, out, accumulate, n_chunks)
+
+
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)

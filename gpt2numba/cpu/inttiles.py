@@ -33,6 +33,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from . import numbacache
 from .chunks import _claimed, _span
 from .dispatch import GROUP as _GROUP, MADD_WIDTH, ROW_CHUNKS, TILE_VNNI
 from .intkernels import _PMADDWD, _quantize_rows, _llvm
@@ -473,3 +474,6 @@ def laid_out(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def padded_rows(T: int) -> int:
     """Rows of the widened inputs for T rows: whole tiles."""
     return (T + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS
+
+
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)

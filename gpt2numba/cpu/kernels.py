@@ -29,6 +29,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from . import numbacache
 from .chunks import _claimed, _span
 from .dispatch import F16C, ROW_CHUNKS, SERIAL_ROWS
 
@@ -355,3 +356,6 @@ def _store_row_typed(src, dst, half, rounds):
             for d in range(src.size):
                 dst[d] = _to_bfloat16(src[d])
     return store_bits
+
+
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)

@@ -15,7 +15,7 @@ from numba import njit, prange, types
 from numba.core.errors import TypingError
 from numba.extending import overload
 
-from . import inttiles, paneltiles
+from . import inttiles, numbacache, paneltiles
 from .rowtiles import SUMS, _tiles, _widen
 from .blas import _gemm
 from .chunks import _claimed, _span
@@ -267,3 +267,6 @@ def _expand_bf16(w, out):
             for n in range(start, end):
                 for k in range(K):
                     out[n, k] = _from_bfloat16(w[n, k])
+
+
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)

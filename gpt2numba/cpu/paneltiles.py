@@ -22,6 +22,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from . import numbacache
 from .chunks import _claimed, _span
 from .intkernels import _llvm
 from .kernels import _put
@@ -299,3 +300,6 @@ def _panels(w, x, b, out, accumulate, start, end, buffers, columns=False):
             for r in range(min(TILE_ROWS, T - t0)):
                 for n in range(min(OUTPUTS, end - n0)):
                     _put(out, t0 + r, n0 + n, sums[r * OUTPUTS + n], b, accumulate)
+
+
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)

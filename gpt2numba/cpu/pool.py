@@ -28,6 +28,7 @@ their own thread ids. ``GPT2NUMBA_POOL=0`` in the environment keeps Numba's laye
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -44,7 +45,7 @@ from llvmlite import binding as ll
 from numba import njit, prange
 
 from ..errors import ConfigError
-from . import amx, threadlayer
+from . import amx, numbacache, threadlayer
 from .regions import (  # noqa: F401  (TIDS, RUNNING, MOVED, _rescue, _syscall, SYS_GETTID: for the tests)
     LAZY, MASK_WORDS, MAX_THREADS, MOVED, NWORK, PIN, PIN_FAILS, PROBE, PROBE_TS, RUNNING, SEEN, START,
     SYS_GETTID, GEN, TIDS, _futex_wake, _get_thread_id, _masks, _parallel_for, _rescue, _state, _syscall, _worker)
@@ -368,11 +369,9 @@ def _claim(cpus) -> str | None:
             finally:
                 os.close(fd)
                 _release(taken)
-        try:
+        with contextlib.suppress(OSError):  # (OSError: read-only; the claim holds, without a pid to tell)
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
-        except OSError:  # read-only: the claim holds, without a pid to tell
-            pass
         taken.append(fd)
     _claims[:] = taken
     return None
@@ -442,8 +441,7 @@ def describe() -> str:
         out += ", to be pinned one to a CPU at the first forward pass" if _unsettled else ", pinned one to a CPU"
     out += f", not pinned: {_unpinned[0]}" if _unpinned else ""
     failed = _pin_failures + ([f"{_state[PIN_FAILS]} in the pool's threads"] if _state[PIN_FAILS] else [])
-    if failed:
-        out += f"; pinning failed: {'; '.join(failed)}"
+    out += f"; pinning failed: {'; '.join(failed)}" if failed else ""
     return f"{out}; AMX tiles {amx.describe()}"
 
 
@@ -493,7 +491,8 @@ def _unpin_holder() -> None:
     if _holder:
         tid, before = _holder
         _holder.clear()
-        try:
+        with contextlib.suppress(OSError):  # (OSError: the thread has ended)
             os.sched_setaffinity(tid if tid != threading.get_native_id() else 0, before)
-        except OSError:  # the thread has ended
-            pass
+
+
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)

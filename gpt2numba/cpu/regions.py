@@ -31,6 +31,7 @@ from llvmlite import binding as ll, ir
 from numba import cfunc, njit, types
 from numba.extending import intrinsic
 
+from . import numbacache
 from .dispatch import X86
 
 SPIN = 4000  # pauses (25-40 ns each) a waiting thread spins before it sleeps
@@ -401,3 +402,6 @@ def _get_thread_id():
         if _load(_at(TIDS + 8 * k)) == tid:
             return k
     return 0
+
+
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)

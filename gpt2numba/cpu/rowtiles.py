@@ -27,6 +27,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
+from . import numbacache
 from .dispatch import BF16_DOT, MADD_WIDTH
 from .intkernels import _llvm, _prefetch
 from .kernels import _from_bfloat16, _put
@@ -222,3 +223,6 @@ def _put_sum(w, x, t, v, s, Kv, b, out, accumulate):
     for k in range(Kv, x.shape[1]):
         s += _widen(x[t, k]) * _widen(w[v, k])
     _put(out, t, v, s, b, accumulate)
+
+
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)

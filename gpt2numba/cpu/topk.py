@@ -12,6 +12,7 @@ import math
 import numpy as np
 from numba import njit
 
+from . import numbacache
 from .kernels import FASTMATH, _exp_inplace
 
 
@@ -57,3 +58,6 @@ def _best(x, offsets, k):
             index[at] = b * vocab + t
             filled = min(filled + 1, k)
     return values, index
+
+
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)

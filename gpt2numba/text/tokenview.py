@@ -175,4 +175,4 @@ class _Texts:
         return text
 
 
-numbacache.guard(__name__)  # (a module imported after the package's own guard)
+numbacache.guard(__name__)  # this module's cached kernels load and save under a lock (numbacache.py)
