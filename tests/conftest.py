@@ -8,6 +8,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numba
@@ -21,6 +22,9 @@ os.environ.setdefault("GPT2NUMBA_CLAIM_DIR", "off")
 # The suite runs with dispatch's default thresholds, whatever `gpt2numba tune` measured on this machine
 # (reproducible bits); tests/test_tuning.py sets a file of its own where it needs one.
 os.environ["GPT2NUMBA_TUNING"] = "off"
+# What the package writes for later processes (the tokenizer's tables) goes to the run's own folder, not the
+# user's home; the suite's processes share it.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gpt2numba-suite-cache-")
 
 import gpt2numba as g  # noqa: E402
 import warm_kernels  # noqa: E402

@@ -59,9 +59,15 @@ def path() -> Path | None:
         return None
     if setting:
         return Path(setting).expanduser().absolute()
+    return cache_home() / "tuning.json"
+
+
+def cache_home() -> Path:
+    """$XDG_CACHE_HOME/gpt2numba (~/.cache/gpt2numba): what this package writes for later processes (the tuning,
+    tokenizers' tables). RuntimeError where there is no home directory to find the default in."""
     cache = os.environ.get("XDG_CACHE_HOME", "")
     cache = Path(cache) if os.path.isabs(cache) else Path.home() / ".cache"  # (XDG: a relative one is ignored)
-    return cache / "gpt2numba" / "tuning.json"
+    return cache / "gpt2numba"
 
 
 def key(cpu: str, features: frozenset[str] | None) -> dict:

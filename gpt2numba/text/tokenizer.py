@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import binascii
 import codecs
+import contextlib
 import functools
 import hashlib
 import json
@@ -10,6 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..cpu.tuning import cache_home
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, TokenTypeError
 
 EOT = "<|endoftext|>"
@@ -111,7 +114,6 @@ def gpt2_vocabulary_files() -> tuple[Path, Path]:
 
 def _from_files(vocab_json: str | Path, merges_txt: str | Path, source: str, expected_sha256=None) -> Tokenizer:
     import tiktoken
-    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
     hashes = {}
     for name, file in (("encoder.json", vocab_json), ("vocab.bpe", merges_txt)):
@@ -120,15 +122,54 @@ def _from_files(vocab_json: str | Path, merges_txt: str | Path, source: str, exp
             raise CheckpointError(f"{str(file)!r} is not GPT-2's {name} (sha256 {hashes[name]})")
     try:
         vocab = json.loads(Path(vocab_json).read_text(encoding="utf-8"))
-        # Passing the files' own hashes keeps tiktoken's on-disk cache from serving a stale copy.
-        ranks = data_gym_to_mergeable_bpe_ranks(str(merges_txt), str(vocab_json),
-                                                hashes["vocab.bpe"], hashes["encoder.json"])
+        ranks = _ranks(vocab_json, merges_txt, hashes)
     except (ValueError, KeyError, AssertionError, UnicodeDecodeError) as e:
         raise CheckpointError(f"cannot build a BPE from {str(vocab_json)!r} and {str(merges_txt)!r}: {e!r}") from None
     specials = {t: i for t, i in vocab.items() if t == EOT}
     encoding = tiktoken.Encoding(name="gpt2", pat_str=_PATTERN, mergeable_ranks=ranks,
                                  special_tokens=specials or {EOT: len(ranks)})
     return Tokenizer(encoding, source)
+
+
+def _ranks(vocab_json, merges_txt, hashes: dict[str, str]) -> dict[bytes, int]:
+    """The BPE's ranks (token bytes -> id) of these files: from the copy an earlier process wrote to the user's
+    cache, or built from the files, and the copy written.
+
+    Building takes a third of a second for GPT-2's files, in Python; reading the copy a sixth of that
+    (docs/performance.md, "Start"). A copy (tiktoken's format: a token's bytes in base64 and its rank, a line
+    each) is named by the sha256 of the files it was made from and by its own, checked as it is read: one
+    altered or cut short is made again; where none can be written (no home, a read-only cache) the ranks are
+    built in every process.
+    """
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    made_from = hashlib.sha256(f"{hashes['encoder.json']} {hashes['vocab.bpe']}".encode()).hexdigest()[:32]
+    try:
+        folder = cache_home() / "tokenizers"
+        copies = sorted(folder.glob(f"{made_from}.*.tiktoken"))
+    except (RuntimeError, OSError):
+        folder, copies = None, []
+    for copy in copies:
+        with contextlib.suppress(OSError):
+            data = copy.read_bytes()
+            if hashlib.sha256(data).hexdigest() == copy.name.split(".")[1]:
+                return {binascii.a2b_base64(token): int(rank) for token, rank in map(bytes.split, data.splitlines())}
+            copy.unlink()
+    # Passing the files' own hashes keeps tiktoken's on-disk cache from serving a stale copy.
+    ranks = data_gym_to_mergeable_bpe_ranks(str(merges_txt), str(vocab_json), hashes["vocab.bpe"],
+                                            hashes["encoder.json"])
+    if folder is not None:
+        data = b"".join(binascii.b2a_base64(token, newline=False) + b" %d\n" % rank for token, rank in ranks.items())
+        with contextlib.suppress(OSError):
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, suffix=".partial", delete=False) as part:
+                part.write(data)
+            try:  # (renamed whole: a reader finds the copy complete or not at all)
+                os.replace(part.name, folder / f"{made_from}.{hashlib.sha256(data).hexdigest()}.tiktoken")
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(part.name)
+    return ranks
 
 
 def _from_tokenizer_json(file: str) -> Tokenizer:
