@@ -2,7 +2,7 @@
 words before argparse reads them), commands.py (the commands but generate), generate.py (generate's work),
 summary.py (the figures of the summaries on stderr)."""
 
-from .commands import main
+from .commands import console, main
 from .options import build_parser
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "console", "main"]

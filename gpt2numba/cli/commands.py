@@ -4,11 +4,13 @@ bench package."""
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,13 +20,34 @@ from ..errors import ConfigError, GPT2NumbaError
 from ..model import forward
 from ..model.forward import decode_batch, decode_step, prefill, prefill_batch
 from ..model.kvcache import ModelCache
+from ..model.mapped import is_mapped
 from ..model.models import RANDOM_NAME, RANDOM_NOTE, resolve_model  # resolve_model re-exported: gpt2numba.cli's
 from ..model.oracle import RTOL, agreement, recompute_logits, rounds_inputs, tolerance
 from ..text.documents import field_of, read, split, utf8
 from ..serve.config import ServeConfig, flags as serve_flags  # (no web framework)
 from . import generate
 from .options import build_parser, unswallowed
-from .summary import count, rate
+from .summary import count, rate, since_start, start
+
+
+def console() -> None:
+    """The `gpt2numba` command (and python -m gpt2numba): main(), then the process ends once its output is out.
+
+    After a command that ran the kernels, Python's own teardown (Numba's compiled code freed piece by piece)
+    takes 0.3 s more (docs/performance.md, "Start"); the command's process skips it once the exit handlers
+    (the pool's, other libraries') have run and stdout and stderr are flushed, unless a thread of its own is
+    still at work, which Python would wait for. main(), called from Python, returns as any function does.
+    """
+    code = main()
+    if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # (a closed pipe, a closed stream: Python's own exit says so)
+        sys.exit(code)
+    atexit._run_exitfuncs()  # (CPython's own call at exit, not in the documented API)
+    os._exit(code or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,12 +257,12 @@ def _tune(args) -> int:
 
 
 def _check(args) -> int:
-    t0 = time.perf_counter()
+    t0, before_run = time.perf_counter(), since_start()
     w, _, source = resolve_model(args.model, args.dtype, args.activations)
-    cfg = w.config
+    cfg, load_s = w.config, time.perf_counter() - t0
     print(f"weights: {source}: {cfg.n_layer} layers, {cfg.n_head} heads, n_embd {cfg.n_embd}, "
           f"vocab {cfg.vocab_size}, {w.dtype}{', bfloat16 activations' * (w.activations == 'bfloat16')}; "
-          f"loaded in {time.perf_counter() - t0:.2f} s")
+          f"{'mapped' if is_mapped(w) else 'in memory'}")
     if w.dtype != "float32":
         print(f"(compared with the oracle run on the float32 values the {w.dtype} weights stand for"
               f"{', rounding every product input as they do' if rounds_inputs(w) else ''})")
@@ -266,6 +289,8 @@ def _check(args) -> int:
             steps.append(decode_step(ids[-1], w, mc))
             decode_s.append(time.perf_counter() - t)
         runs.append((ids, steps, prefill_s, decode_s))
+    print(f"start: {start(before_run, weights=load_s, first_token=runs[0][2])} (the first token: the first "
+          "prefill, with the compiled kernels' loading)")
     from ..cpu import amx, dispatch, pool, threadlayer
     amx.request()  # (this command's own process: whether Linux lends Intel's tiles here is worth knowing)
     print(f"parallel regions: {pool.describe()}")  # the threads, their pinning, what failed; the tiles

@@ -18,7 +18,7 @@ from ..decoding.constraints import KINDS
 from ..errors import CacheFullError, GPT2NumbaError, PartialBatchError
 from ..model.models import RANDOM_NOTE, resolve_model
 from ..text.documents import read, utf8
-from .summary import count, rate
+from .summary import count, rate, since_start, start
 
 
 # The library's settings by the flag that sets them: Sampler's alone, beam_search's alone, and both's
@@ -107,14 +107,17 @@ def run(args) -> int:
     if problem := conflict(args):
         print(f"gpt2numba: error: {problem}", file=sys.stderr)
         return 2
-    t0 = time.perf_counter()
+    t0, before_run = time.perf_counter(), since_start()
     prompts = None if args.prompts_file is None else read_prompts(args.prompts_file)
     if args.ray is not None:  # the weights are the workers' to load; the tokenizer here reads --bad-words
         w, path = None, args.model or os.environ.get("GPT2NUMBA_WEIGHTS") or None
         tokenizer = load_tokenizer(path if path is not None and Path(path).exists() else None)
     else:
+        t_weights = time.perf_counter()
         w, path, _ = resolve_model(args.model, args.dtype, args.activations)
+        t_tokenizer = time.perf_counter()
         tokenizer = load_tokenizer(path)
+        started = start(before_run, weights=t_tokenizer - t_weights, tokenizer=time.perf_counter() - t_tokenizer)
     if path is None:
         print(f"gpt2numba: {RANDOM_NOTE}", file=sys.stderr)
     vocab = w.config.vocab_size if w is not None else math.inf  # (on Ray the workers hold the weights, and check)
@@ -145,7 +148,7 @@ def run(args) -> int:
         return _batch(prompts, w, tokenizer, args.batch_size, n, options)
     if n > 1:
         return _samples(args.prompt, w, tokenizer, n, options, t0)
-    return _stream(args.prompt, w, tokenizer, args.slide, options, t0)
+    return _stream(args.prompt, w, tokenizer, args.slide, options, t0, started)
 
 
 def structured(args, tokenizer, vocab) -> dict:
@@ -195,8 +198,9 @@ def bad_words_ids(words: list[str], tokenizer) -> list[list[int]]:
     return [tokenizer.encode(" " + word) for word in words]
 
 
-def _stream(prompt, w, tokenizer, slide, options, t0) -> int:
-    """One text, written as its tokens arrive; on stderr, when the first token came and a decode step's time."""
+def _stream(prompt, w, tokenizer, slide, options, t0, started: str) -> int:
+    """One text, written as its tokens arrive; on stderr, when the first token came, a decode step's time and
+    where the start went (``started``: summary.start's)."""
     from ..decoding.sample import generate, prompt_ids, text_stream
 
     ids = prompt_ids(prompt, tokenizer)
@@ -226,7 +230,8 @@ def _stream(prompt, w, tokenizer, slide, options, t0) -> int:
         summary += f", decode {1e3 * (gaps.mean() if speculating else np.median(gaps)):.1f} ms/token"
     elif stamps:
         summary += ", no decode step"
-    print(f"gpt2numba: {summary}; {time.perf_counter() - t0:.1f} s in all", file=sys.stderr)
+    before_run = since_start()  # (the whole process where it is known; else from the command's start)
+    print(f"gpt2numba: {summary}; {before_run or time.perf_counter() - t0:.1f} s in all ({started})", file=sys.stderr)
     return 0
 
 
