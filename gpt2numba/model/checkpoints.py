@@ -3,17 +3,19 @@ the save_pretrained one (and gpt2numba's own int8 and int4 files)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import stat
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from . import compact
+from . import compact, mapped as mapped_layout
 from .compact import BLOCK_MATRICES, INTEGER, MATRICES, STORAGE, storage
 from .config import HEAD_DIM, GPT2Config
 from .weights import _LAYER_TENSORS, _MODEL_TENSORS, GPT2Weights, check_dtype, _field_shapes
@@ -22,7 +24,8 @@ from .weights import _LAYER_TENSORS, _MODEL_TENSORS, GPT2Weights, check_dtype, _
 _IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
 
 
-def load_weights(path: str | Path, dtype: str = "float32", activations: str = "float32") -> GPT2Weights:
+def load_weights(path: str | Path, dtype: str = "float32", activations: str = "float32", *,
+                 mapped: bool = True) -> GPT2Weights:
     """Load GPT-2 weights from a safetensors checkpoint.
 
     ``path`` is a directory holding ``model.safetensors`` (and ``config.json``,
@@ -37,6 +40,12 @@ def load_weights(path: str | Path, dtype: str = "float32", activations: str = "f
     (bfloat16's block matrices turned [out, in]). ``activations="bfloat16"`` (bfloat16 weights only)
     rounds every matrix product's inputs to bfloat16, for the CPU's bfloat16 products (docs/formats.md).
 
+    Mapped (the default), the weights are a read-only memory map: of the file itself where it is in
+    gpt2numba's stacked layout (save_weights(..., layout="stacked")), else of a copy in that layout that the
+    first load of the checkpoint in ``dtype`` writes to $XDG_CACHE_HOME/gpt2numba/weights (mapped.py): the next
+    loads take no time, and processes share one copy of the weights in memory. Where no copy can be written
+    the weights are read into memory, with a MappingWarning. ``mapped=False`` reads them into memory always.
+
     Raises CheckpointNotFoundError for a missing path and CheckpointError for an
     unreadable file, a missing, mis-shaped or non-finite tensor, an untied
     ``lm_head.weight`` or a config.json that disagrees with the tensors.
@@ -49,24 +58,44 @@ def load_weights(path: str | Path, dtype: str = "float32", activations: str = "f
     checkpoint = Path(path)  # (the messages name ``path`` as given: Path would drop a leading ./ and a trailing /)
     if not checkpoint.exists():
         raise CheckpointNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    config = None
+    config, config_json = None, None
     if checkpoint.is_dir():
         file, source = checkpoint / "model.safetensors", os.path.join(path, "model.safetensors")
         if not file.is_file():
             raise CheckpointNotFoundError(f"checkpoint directory {str(path)!r} has no model.safetensors")
         if (checkpoint / "config.json").is_file():
+            config_json = checkpoint / "config.json"
             config = GPT2Config.from_json(os.path.join(path, "config.json"))
     else:
         file, source = checkpoint, os.fspath(path)
     try:
+        with safe_open(str(file), framework="numpy") as f:
+            stacked = mapped_layout.is_stacked({"__metadata__": f.metadata() or {}})
+        if stacked:
+            return _stacked(file, source, config, dtype, mapped).astype(dtype, activations)
+        copy = mapped_layout.copy_path(file, config_json, dtype) if mapped else None
+        if copy is not None and (w := mapped_layout.mapped_copy(copy)) is not None:
+            return w.astype(dtype, activations)
         # The library checks the file (header, offsets, size) and lists the tensors;
         # their bytes we read ourselves, straight into the stacked arrays: its
         # get_tensor would copy each one out of a memory map that, once read, counts
         # against the process's resident memory beside our copy, doubling the peak.
         with safe_open(str(file), framework="numpy") as f, open(file, "rb", buffering=0) as raw:
-            return _read(f, _TensorReader(raw), source, config, dtype).astype(dtype, activations)
+            w = _read(f, _TensorReader(raw), source, config, dtype)
     except SafetensorError as e:
         raise CheckpointError(f"{source!r} is not a readable safetensors file: {e}") from None
+    if copy is not None:
+        w = mapped_layout.keep_copy(w, copy, source)
+    return w.astype(dtype, activations)
+
+
+def _stacked(file: Path, source: str, config: GPT2Config | None, dtype: str, mapped: bool) -> GPT2Weights:
+    """A file in the stacked layout, mapped or read; CheckpointError where config.json disagrees with it."""
+    w = mapped_layout.read(file, source, mapped)
+    if config is not None and config != w.config:
+        raise CheckpointError(f"config.json says {config} but {source!r} holds weights of {w.config}")
+    check_dtype(dtype, w.config)
+    return w
 
 
 class _TensorReader:
@@ -256,27 +285,47 @@ def _natural(name: str):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def save_weights(w: GPT2Weights, path: str | Path, dtype: str | None = None) -> None:
-    """Write ``w`` as a checkpoint directory in the ``save_pretrained`` layout.
+def save_weights(w: GPT2Weights, path: str | Path, dtype: str | None = None, layout: str = "pretrained") -> None:
+    """Write ``w`` as a checkpoint directory: config.json and model.safetensors.
 
-    The directory gets config.json and model.safetensors with ``transformer.``-
-    prefixed keys. ``dtype`` (default: the weights' own) is "float32", "float16",
-    "bfloat16" (files any GPT-2 loader reads), "int8" or "int4": gpt2numba's own
-    formats, each matrix as stored in memory ([out, in], I8, or U8 of packed
-    nibbles) beside its F32 scales in NAME_scale, so that quantisation is paid
-    once; load_weights(path, dtype=...) reads them back bit for bit.
+    ``layout="pretrained"``: the ``save_pretrained`` layout, ``transformer.``-prefixed keys. ``dtype``
+    (default: the weights' own) is "float32", "float16", "bfloat16" (files any GPT-2 loader reads), "int8" or
+    "int4": gpt2numba's own formats, each matrix as stored in memory ([out, in], I8, or U8 of packed
+    nibbles) beside its F32 scales in NAME_scale, so that quantisation is paid once; load_weights(path,
+    dtype=...) reads them back bit for bit. ``layout="stacked"``: the arrays as the kernels read them
+    (mapped.py; any ``dtype`` but float16), which load_weights maps as they are: the file to ship where
+    processes should start at once.
     """
-    from safetensors.numpy import save_file
-
     if not isinstance(w, GPT2Weights):
         raise ConfigError(f"save_weights needs GPT2Weights, got {type(w).__name__}")
     dtype = dtype or w.dtype
-    if dtype not in ("float32", "float16", "bfloat16", *INTEGER):
-        raise ConfigError(f"dtype must be float32, float16, bfloat16, int8 or int4, got {dtype!r}")
+    if layout not in ("pretrained", "stacked"):
+        raise ConfigError(f"layout must be 'pretrained' or 'stacked', got {layout!r}")
+    if dtype not in ("float32", "float16", "bfloat16", *INTEGER) or layout == "stacked" and dtype == "float16":
+        raise ConfigError(f"dtype must be float32, {'float16, ' * (layout == 'pretrained')}bfloat16, int8 or int4 "
+                          f"in the {layout} layout, got {dtype!r}")
     if Path(path).exists() and not Path(path).is_dir():
         raise CheckpointError(f"{str(path)!r} is a file; save_weights writes a directory")
-    if dtype in ("bfloat16", *INTEGER):
+    if dtype in ("bfloat16", *INTEGER) or layout == "stacked":
         w = w.astype(dtype)  # as it is if already so
+    path = Path(path)
+    if layout == "stacked":
+        mapped_layout.write(w, path / "model.safetensors")
+    else:
+        _write_pretrained(w, path / "model.safetensors", dtype)
+    cfg = w.config
+    config = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size",
+                                           "layer_norm_epsilon")}
+    config |= {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # safetensors (and a temporary file) writes for its owner alone (0600); the weights get the mode the umask
+    # gives config.json, as any file the user writes
+    os.chmod(path / "model.safetensors", stat.S_IMODE((path / "config.json").stat().st_mode))
+
+
+def _write_pretrained(w: GPT2Weights, file: Path, dtype: str) -> None:
+    from safetensors.numpy import save_file
+
     cfg = w.config
     tensors = {}
     # (L, ...) arrays as the file stores them, each kind converted once
@@ -303,16 +352,16 @@ def save_weights(w: GPT2Weights, path: str | Path, dtype: str | None = None) -> 
     for layer in range(cfg.n_layer):
         for field, name, _ in _LAYER_TENSORS:
             put(f"transformer.h.{layer}.{name}", field, layer)
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"))
-    config = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size",
-                                           "layer_norm_epsilon")}
-    config |= {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    # safetensors writes its file for its owner alone (0600); the weights get the mode the umask gives
-    # config.json, as any file the user writes
-    os.chmod(path / "model.safetensors", stat.S_IMODE((path / "config.json").stat().st_mode))
+    file.parent.mkdir(parents=True, exist_ok=True)
+    # (to a new file, renamed over the old one: a process that maps the old one, this one too, keeps it whole)
+    with tempfile.NamedTemporaryFile(dir=file.parent, prefix=file.name, suffix=".partial", delete=False) as part:
+        pass
+    try:
+        save_file(tensors, part.name)
+        os.replace(part.name, file)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(part.name)
 
 
 def _cast16(a: np.ndarray, dtype: str) -> np.ndarray:
