@@ -3,6 +3,7 @@
 import dataclasses
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,18 @@ def test_cold_start_script(tmp_path):
 
     write_dir(g.random_weights(TINY, seed=0), tmp_path)
     assert 0 < standard.run_script(standard._OURS_FIRST, tmp_path) < 600
+
+
+def test_start_script(tmp_path):
+    """profiling/start.py on a tiny checkpoint, one round: every figure printed (none asserted but positive)."""
+    write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")  # (GPT-2's vocabulary: a text prompt)
+    r = subprocess.run([sys.executable, str(ROOT / "profiling" / "start.py"), "--model", str(tmp_path / "ckpt"),
+                        "--rounds", "1", "--idle-patience", "0"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    for name in ("import gpt2numba", "generate, 1 token", "load_weights, mapped", "load_weights, in memory"):
+        assert re.search(rf"this tree +{name} +[0-9.]+ s", r.stdout), (name, r.stdout)
+    assert "1 new token; first token after" in r.stdout and "weights" in r.stdout
+    assert re.search(r"PSS: one process \d+ MiB, two at once \d+ MiB", r.stdout), r.stdout
 
 
 def test_bench_floor(tmp_path):
