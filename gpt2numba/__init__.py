@@ -21,7 +21,7 @@ from .errors import (
     TokenTypeError,
 )
 # Everything else is imported on first use (PEP 562), so that `import gpt2numba` costs neither Numba nor NumPy:
-# a command, a server's worker or a notebook pays for what it calls (docs/performance.md, "Start").
+# a command, a server's worker or a notebook pays for what it calls (docs/performance-history.md, "Start").
 _LAZY = {
     ".model.config": ("GPT2Config",),
     ".model.weights": ("GPT2Weights", "random_weights"),

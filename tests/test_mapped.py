@@ -217,3 +217,18 @@ def test_saving_over_a_mapped_file_leaves_the_mapped_weights_whole(tiny, tmp_pat
         assert os.stat(tmp_path / "d" / "model.safetensors").st_ino != inode
         assert_identical(w, tiny)
     assert_identical(g.load_weights(tmp_path / "d", mapped=False), tiny)
+
+
+def test_the_default_random_weights_are_drawn_once_then_mapped(cache, monkeypatch):
+    """random_copy gives random_weights' bits, drawn once per machine (their copy named by the config, the seed
+    and NumPy's version), then mapped; another seed or config is another copy."""
+    from gpt2numba.model import weights
+
+    config = dataclasses.replace(TINY, vocab_size=700)
+    first = mapped.random_copy(config, 3)
+    assert is_mapped(first)
+    assert_identical(first, g.random_weights(config, seed=3))
+    monkeypatch.setattr(weights, "random_weights", None)  # (drawn again, it would raise)
+    assert_identical(mapped.random_copy(config, 3), first)
+    monkeypatch.undo()
+    assert not np.array_equal(mapped.random_copy(config, 4).wte, first.wte)

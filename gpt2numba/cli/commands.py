@@ -34,7 +34,7 @@ def console() -> None:
     """The `gpt2numba` command (and python -m gpt2numba): main(), then the process ends once its output is out.
 
     After a command that ran the kernels, Python's own teardown (Numba's compiled code freed piece by piece)
-    takes 0.3 s more (docs/performance.md, "Start"); the command's process skips it once the exit handlers
+    takes 0.3 s more (docs/performance-history.md, "Start"); the command's process skips it once the exit handlers
     (the pool's, other libraries') have run and stdout and stderr are flushed, unless a thread of its own is
     still at work, which Python would wait for. main(), called from Python, returns as any function does.
     """

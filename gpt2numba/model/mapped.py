@@ -20,6 +20,7 @@ that fails them is a CheckpointError.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -153,7 +154,7 @@ def _weights(arrays: dict, config: GPT2Config, dtype: str, source: str) -> GPT2W
 def _sums(data: np.ndarray) -> str:
     """Two sums of the bytes' little-endian 64-bit words (the last padded with zeros), mod 2^64, in hex: the
     plain sum, and the sum of each 1 MiB block's sum times the block's number from 1, which moving a block
-    changes. Read from a mapped file's page cache at 10-30 GB/s (docs/performance.md, "Start")."""
+    changes. Read from a mapped file's page cache at 10-30 GB/s (docs/performance-history.md, "Start")."""
     whole = data.size // 8
     words = np.frombuffer(data, np.uint64, whole) if whole else np.zeros(0, np.uint64)
     full = whole // _BLOCK_WORDS * _BLOCK_WORDS
@@ -216,3 +217,21 @@ def keep_copy(w: GPT2Weights, copy: Path, source: str) -> GPT2Weights:
         warnings.warn(f"gpt2numba: cannot keep a mapped copy of {source!r} in {str(copy.parent)!r} ({e}); its weights "
                       "are read into this process's memory, as they will be every time", MappingWarning, stacklevel=3)
         return w
+
+
+def random_copy(config: GPT2Config, seed: int) -> GPT2Weights:
+    """random_weights(config, seed), mapped from a copy in the user's cache made the first time (GPT-2 small's
+    take 3-4 s to draw): named by the config, the seed, NumPy's version (its generator's stream) and weights.py's
+    source, where random_weights is written."""
+    from ..cpu.tuning import cache_home
+    from . import weights
+
+    made_from = [dataclasses.asdict(config), seed, np.__version__, LAYOUT,
+                 hashlib.sha256(Path(weights.__file__).read_bytes()).hexdigest()]
+    try:
+        copy = cache_home() / "weights" / f"random-{hashlib.sha256(json.dumps(made_from).encode()).hexdigest()[:24]}" \
+                                          ".safetensors"
+    except RuntimeError:
+        return weights.random_weights(config, seed)
+    w = mapped_copy(copy)
+    return w if w is not None else keep_copy(weights.random_weights(config, seed), copy, f"random weights, seed {seed}")

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from ..errors import GPT2NumbaError
 from .config import GPT2Config
+from . import mapped
 from .checkpoints import load_weights
-from .weights import GPT2Weights, check_dtype, random_weights
+from .weights import GPT2Weights, check_dtype
 
 RANDOM_NOTE = "random GPT-2 small weights (seed 0): the text is meaningless; pass --model for a real checkpoint"
 RANDOM_NAME = "random-gpt2-small"  # the server's model id for them, unless --model-name says otherwise
@@ -56,7 +57,7 @@ def default_weights() -> GPT2Weights:
 
 @functools.lru_cache(maxsize=1)
 def _default_weights(path: str | None) -> GPT2Weights:
-    return load_weights(path) if path else random_weights(GPT2Config.small(), seed=0)
+    return load_weights(path) if path else mapped.random_copy(GPT2Config.small(), seed=0)  # (drawn once a machine)
 
 
 def _download(name: str) -> Path:

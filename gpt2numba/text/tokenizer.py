@@ -136,7 +136,7 @@ def _ranks(vocab_json, merges_txt, hashes: dict[str, str]) -> dict[bytes, int]:
     cache, or built from the files, and the copy written.
 
     Building takes a third of a second for GPT-2's files, in Python; reading the copy a sixth of that
-    (docs/performance.md, "Start"). A copy (tiktoken's format: a token's bytes in base64 and its rank, a line
+    (docs/performance-history.md, "Start"). A copy (tiktoken's format: a token's bytes in base64 and its rank, a line
     each) is named by the sha256 of the files it was made from and by its own, checked as it is read: one
     altered or cut short is made again; where none can be written (no home, a read-only cache) the ranks are
     built in every process.
