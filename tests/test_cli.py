@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -635,6 +636,24 @@ def test_an_abbreviated_flag_is_refused():
         with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit:
             parser.parse_args(unswallowed(argv))
         assert exit.value.code == 2 and f"unrecognized arguments: {said}" in err.getvalue(), (argv, err.getvalue())
+
+
+def test_the_command_ends_its_process_with_its_output_and_exit_handlers(gpt2_vocab):
+    """console() ends the process at once, but after the exit handlers and with what they wrote; under a profiler
+    it leaves the end to Python, which writes the profile."""
+    script = ("import atexit, sys\n"
+              "atexit.register(lambda: print('a handler ran', end=''))\n"
+              f"sys.argv = ['gpt2numba', 'generate', 'Hi', '--max-new-tokens', '1', '--model', {gpt2_vocab[0]!r}]\n"
+              "from gpt2numba.cli import console\n"
+              "console()\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Hi") and r.stdout.endswith("a handler ran"), r.stdout
+    assert "1 new token" in r.stderr
+    profile = Path(gpt2_vocab[0]).parent / "cli.prof"
+    r = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(profile), "-m", "gpt2numba", "generate", "Hi",
+                        "--max-new-tokens", "1", "--model", gpt2_vocab[0]], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and profile.stat().st_size > 0, r.stderr
 
 
 def test_a_summary_of_no_work_shows_no_rate(tmp_path, gpt2_vocab):

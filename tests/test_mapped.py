@@ -103,10 +103,15 @@ def harm(copy, how):
         data[start:] = data[start + 2**20:] + data[start:start + 2**20]
     elif how == "an older layout":
         data = data.replace(mapped.LAYOUT.encode(), b"gpt2numba-stacked-0", 1)
+    elif how == "its config altered":  # (the header still parses, the data's sums still hold)
+        data = data.replace(b'\\"layer_norm_epsilon\\": 1e-05', b'\\"layer_norm_epsilon\\": 1e-06', 1)
+    elif how == "its header's length garbled":
+        data[:8] = b"\xff" * 8
     copy.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how", ["a byte changed", "cut short", "blocks swapped", "an older layout"])
+@pytest.mark.parametrize("how", ["a byte changed", "cut short", "blocks swapped", "an older layout",
+                                 "its config altered", "its header's length garbled"])
 def test_a_harmed_copy_is_made_again_not_served(tmp_path, cache, how):
     w = g.random_weights(dataclasses.replace(TINY, vocab_size=8192), seed=2)  # (a wte of 4 MiB: several blocks)
     path = write_dir(w, tmp_path / "ckpt")
@@ -232,3 +237,21 @@ def test_the_default_random_weights_are_drawn_once_then_mapped(cache, monkeypatc
     assert_identical(mapped.random_copy(config, 3), first)
     monkeypatch.undo()
     assert not np.array_equal(mapped.random_copy(config, 4).wte, first.wte)
+
+
+def test_a_conversion_cleans_up_after_killed_ones_and_leaves_disk_free(tiny, tmp_path, cache, monkeypatch):
+    """Files a killed conversion left (.partial, untouched for an hour) go when a copy is next written, one being
+    written now stays; a copy that would leave under 1 GiB free is not written (a warning, the weights in memory)."""
+    cache.mkdir(parents=True)
+    old, fresh = cache / "x.safetensors1.partial", cache / "y.safetensors2.partial"
+    for f in (old, fresh):
+        f.write_bytes(b"half a copy")
+    os.utime(old, (os.stat(old).st_atime - 7200, os.stat(old).st_mtime - 7200))
+    g.load_weights(write_dir(tiny, tmp_path / "ckpt"))
+    assert not old.exists() and fresh.exists()
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, (1 << 40) - 2**29, 2**29))
+    with pytest.warns(mapped.MappingWarning, match="512 MiB free"):
+        w = g.load_weights(write_dir(tiny, tmp_path / "other"))
+    assert not is_mapped(w)

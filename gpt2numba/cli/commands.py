@@ -5,6 +5,8 @@ bench package."""
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import itertools
 import json
 import math
@@ -34,19 +36,24 @@ def console() -> None:
     """The `gpt2numba` command (and python -m gpt2numba): main(), then the process ends once its output is out.
 
     After a command that ran the kernels, Python's own teardown (Numba's compiled code freed piece by piece)
-    takes 0.3 s more (docs/performance-history.md, "Start"); the command's process skips it once the exit handlers
-    (the pool's, other libraries') have run and stdout and stderr are flushed, unless a thread of its own is
-    still at work, which Python would wait for. main(), called from Python, returns as any function does.
+    takes 0.3 s more (docs/performance-history.md, "Start"); the command's process skips it once the exit
+    handlers (the pool's, other libraries') have run and every stream is flushed (Python's and C's), unless a
+    thread of its own is still at work, which Python would wait for, or a profiler, a tracer or `python -i`
+    waits for the end. main(), called from Python, returns as any function does.
     """
     code = main()
-    if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
-        sys.exit(code)
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):  # (a closed pipe, a closed stream: Python's own exit says so)
+    if (any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread())
+            or sys.flags.inspect or sys.getprofile() is not None or sys.gettrace() is not None):
         sys.exit(code)
     atexit._run_exitfuncs()  # (CPython's own call at exit, not in the documented API)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+    except (OSError, ValueError):  # (a closed pipe, a closed stream: Python's own exit says so)
+        sys.exit(code)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)  # (C's buffers too: what native libraries wrote)
     os._exit(code or 0)
 
 

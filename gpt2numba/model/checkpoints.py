@@ -44,7 +44,8 @@ def load_weights(path: str | Path, dtype: str = "float32", activations: str = "f
     gpt2numba's stacked layout (save_weights(..., layout="stacked")), else of a copy in that layout that the
     first load of the checkpoint in ``dtype`` writes to $XDG_CACHE_HOME/gpt2numba/weights (mapped.py): the next
     loads take no time, and processes share one copy of the weights in memory. Where no copy can be written
-    the weights are read into memory, with a MappingWarning. ``mapped=False`` reads them into memory always.
+    the weights are read into memory, with a MappingWarning. ``mapped=False`` reads them into memory always,
+    and a stacked file asked for in a format other than its own is converted in memory.
 
     Raises CheckpointNotFoundError for a missing path and CheckpointError for an
     unreadable file, a missing, mis-shaped or non-finite tensor, an untied
@@ -84,7 +85,7 @@ def load_weights(path: str | Path, dtype: str = "float32", activations: str = "f
             w = _read(f, _TensorReader(raw), source, config, dtype)
     except SafetensorError as e:
         raise CheckpointError(f"{source!r} is not a readable safetensors file: {e}") from None
-    if copy is not None:
+    if copy is not None and copy == mapped_layout.copy_path(file, config_json, dtype):  # (not changed meanwhile)
         w = mapped_layout.keep_copy(w, copy, source)
     return w.astype(dtype, activations)
 

@@ -4,17 +4,18 @@ A save_pretrained checkpoint keeps a tensor per layer, and the blocks' matrices 
 them stacked over the layers and, in every format, [out, in] (weights.py), so load_weights reads and
 converts them: GPT-2 xl's 6.2 GB took 10.6 s. The stacked layout is a safetensors file of the GPT2Weights
 arrays as the kernels read them (a tensor per field; "scales.FIELD" for int8's and int4's scales), with the
-config and the format in its metadata. Mapped read-only, it is ready at once, is read from the page cache
-as the kernels touch it, and is one copy in memory for every process that maps it.
+config and the format in its metadata. Mapped read-only, it is ready once its sums are read (from the page
+cache, 10-30 GB/s), and is one copy in memory for every process that maps it.
 
 save_weights(w, path, layout="stacked") writes one to ship. load_weights writes one of each checkpoint
 and format it converts to $XDG_CACHE_HOME/gpt2numba/weights, and maps it from then on. A copy is named by
 what it was made from: the checkpoint's path, device, inode, size, modification and change times (a
 write changes the change time, which cannot be set back), its header, and the format; the copies of
-a checkpoint's earlier states are removed when a new one is written. Its metadata holds two sums of
-the data's 64-bit words (plain, and weighted by 1 MiB block), checked as it is mapped: a copy cut
-short, altered or of an older layout is not trusted but made again; a stacked file the user gives
-that fails them is a CheckpointError.
+a checkpoint's earlier states are removed when a new one is written, and files a killed conversion left.
+Its metadata holds the sha256 of the rest of its header and two sums of the data's 64-bit words (plain, and
+weighted by 1 MiB block), checked as it is mapped: a copy cut short, altered or of an older layout is not
+trusted but made again; a stacked file the user gives that fails them is a CheckpointError. Files are
+little-endian, as safetensors': a big-endian machine reads its checkpoints into memory.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ import json
 import math
 import mmap
 import os
+import shutil
+import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -41,6 +45,7 @@ from .weights import GPT2Weights, _field_shapes
 LAYOUT = "gpt2numba-stacked-1"  # the metadata's "layout": a new number for any change in what the file holds
 _DTYPES = {np.dtype("float32"): "F32", np.dtype("uint16"): "U16", np.dtype("int8"): "I8", np.dtype("uint8"): "U8"}
 _BLOCK_WORDS = 1 << 17  # 64-bit words a block of the weighted sum holds: 1 MiB
+_ABANDONED_S = 3600  # a .partial file untouched this long was left by a conversion that was killed
 
 
 class MappingWarning(UserWarning):
@@ -71,8 +76,11 @@ def write(w: GPT2Weights, file: Path, metadata: dict | None = None) -> None:
         offset += a.nbytes
     config = {k: getattr(w.config, k) for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size",
                                                 "layer_norm_epsilon")}
-    meta = {"layout": LAYOUT, "dtype": w.dtype, "config": json.dumps(config), "sums": "0" * 33, **(metadata or {})}
+    meta = {"layout": LAYOUT, "dtype": w.dtype, "config": json.dumps(config), **(metadata or {})}
+    meta |= {"header_sha256": _header_digest(header, meta), "sums": "0" * 33}
     file.parent.mkdir(parents=True, exist_ok=True)
+    if sys.byteorder != "little":
+        raise CheckpointError("the stacked layout is little-endian; this machine is not")
     with tempfile.NamedTemporaryFile(dir=file.parent, prefix=file.name, suffix=".partial", delete=False) as out:
         try:
             out.write(_header(header, meta))  # (the sums, of the data written, go in once known: the same length)
@@ -91,6 +99,12 @@ def write(w: GPT2Weights, file: Path, metadata: dict | None = None) -> None:
                 os.unlink(out.name)
 
 
+def _header_digest(header: dict, meta: dict) -> str:
+    """The sha256 of the header's tensors and metadata but the digest and the sums themselves."""
+    rest = {k: v for k, v in meta.items() if k not in ("header_sha256", "sums")}
+    return hashlib.sha256(json.dumps([rest, header], sort_keys=True).encode()).hexdigest()
+
+
 def _header(header: dict, meta: dict) -> bytes:
     """A safetensors header: its length, then its JSON padded to 8 bytes (where the data start)."""
     encoded = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
@@ -101,18 +115,27 @@ def _header(header: dict, meta: dict) -> bytes:
 def read(file: Path, source: str, mapped: bool = True) -> GPT2Weights:
     """The weights of a stacked file, mapped read-only (or read into memory); CheckpointError (naming ``source``)
     for a file cut short, altered, of another layout or inconsistent."""
+    if sys.byteorder != "little":
+        raise CheckpointError(f"{source!r} is little-endian, as the stacked layout is; this machine is not")
     with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         try:
             header_len = int.from_bytes(f.read(8), "little")
+            if not 0 < header_len <= size - 8:
+                raise ValueError(f"a header of {header_len} bytes in a file of {size}")
             header = json.loads(f.read(header_len))
             meta = header.pop("__metadata__")
             if meta.get("layout") != LAYOUT:
                 raise CheckpointError(f"{source!r} is in layout {meta.get('layout')!r}; this gpt2numba maps {LAYOUT!r}")
+            if meta.get("header_sha256") != _header_digest(header, meta):
+                raise CheckpointError(f"{source!r} does not hold the header it was written with (its digest differs)")
             config, dtype = GPT2Config(**json.loads(meta["config"])), meta["dtype"]
             end = max((t["data_offsets"][1] for t in header.values()), default=0)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except CheckpointError:
+            raise
+        except Exception as e:  # (any header that fails to parse is not one this layout wrote)
             raise CheckpointError(f"{source!r} has no readable stacked-layout header: {e!r}") from None
-        start, size = 8 + header_len, os.fstat(f.fileno()).st_size
+        start = 8 + header_len
         if size != start + end or not end:
             raise CheckpointError(f"{source!r} holds {size} bytes; its header says {start + end}")
         # (a map stays while an array uses it)
@@ -171,9 +194,11 @@ def _sums(data: np.ndarray) -> str:
 def copy_path(file: Path, config_json: Path | None, dtype: str) -> Path | None:
     """Where the stacked copy of checkpoint ``file`` (with its config.json, if any) in ``dtype`` is kept: named
     by the checkpoint's path, then by what a change to it changes (its times, size, inode, header, first and
-    last 64 KiB, config.json); None where there is no cache (no home directory)."""
+    last 64 KiB, config.json); None where there is no cache (no home directory) or the machine is big-endian."""
     from ..cpu.tuning import cache_home
 
+    if sys.byteorder != "little":
+        return None
     real = os.path.realpath(file)
     st = os.stat(real)
     with open(real, "rb") as f:  # its header and the first and last 64 KiB
@@ -188,16 +213,18 @@ def copy_path(file: Path, config_json: Path | None, dtype: str) -> Path | None:
     except RuntimeError:
         return None
     key = hashlib.sha256(json.dumps(made_from).encode()).hexdigest()[:24]
-    return folder / f"{hashlib.sha256(real.encode()).hexdigest()[:16]}-{dtype}-{key}.safetensors"
+    # (a place's copies in one format and layout version replace each other: keep_copy)
+    place, version = hashlib.sha256(real.encode()).hexdigest()[:16], LAYOUT.rsplit("-", 1)[1]
+    return folder / f"{place}-{dtype}-{version}-{key}.safetensors"
 
 
 def mapped_copy(copy: Path) -> GPT2Weights | None:
     """The weights of a copy, mapped; None (and the copy removed) where there is none or it fails its checks."""
-    if not copy.is_file():
+    if not os.path.isfile(copy):  # (False, not an error, where the folder cannot be searched)
         return None
     try:
         return read(copy, str(copy))
-    except (CheckpointError, OSError):
+    except Exception:  # (a copy is untrusted: whatever reading it raises, it is made again)
         with contextlib.suppress(OSError):
             copy.unlink()
         return None
@@ -207,6 +234,14 @@ def keep_copy(w: GPT2Weights, copy: Path, source: str) -> GPT2Weights:
     """``w`` written to ``copy`` and mapped from it, the copies of the checkpoint's earlier states removed; ``w``
     itself, with a MappingWarning, where the copy cannot be written."""
     try:
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        for left in copy.parent.glob("*.partial"):
+            with contextlib.suppress(OSError):
+                if time.time() - left.stat().st_mtime > _ABANDONED_S:
+                    left.unlink()
+        free = shutil.disk_usage(copy.parent).free
+        if free < w.nbytes + (1 << 30):  # (a copy must not fill the disk others write to)
+            raise OSError(f"{free >> 20} MiB free, the copy takes {w.nbytes >> 20} MiB and 1 GiB must stay free")
         write(w, copy, {"source": source})
         for stale in copy.parent.glob(copy.name.rsplit("-", 1)[0] + "-*.safetensors"):
             if stale != copy:
@@ -215,7 +250,8 @@ def keep_copy(w: GPT2Weights, copy: Path, source: str) -> GPT2Weights:
         return read(copy, str(copy))
     except OSError as e:
         warnings.warn(f"gpt2numba: cannot keep a mapped copy of {source!r} in {str(copy.parent)!r} ({e}); its weights "
-                      "are read into this process's memory, as they will be every time", MappingWarning, stacklevel=3)
+                      "are read into this process's memory, as they will be until one can be written", MappingWarning,
+                      stacklevel=3)
         return w
 
 
@@ -226,12 +262,14 @@ def random_copy(config: GPT2Config, seed: int) -> GPT2Weights:
     from ..cpu.tuning import cache_home
     from . import weights
 
-    made_from = [dataclasses.asdict(config), seed, np.__version__, LAYOUT,
-                 hashlib.sha256(Path(weights.__file__).read_bytes()).hexdigest()]
+    drawn = hashlib.sha256(json.dumps([dataclasses.asdict(config), seed]).encode()).hexdigest()[:12]
     try:
-        copy = cache_home() / "weights" / f"random-{hashlib.sha256(json.dumps(made_from).encode()).hexdigest()[:24]}" \
-                                          ".safetensors"
-    except RuntimeError:
+        made_from = [drawn, np.__version__, LAYOUT, hashlib.sha256(Path(weights.__file__).read_bytes()).hexdigest()]
+        key = hashlib.sha256(json.dumps(made_from).encode()).hexdigest()[:24]
+        copy = cache_home() / "weights" / f"random-{drawn}-{key}.safetensors"
+    except (RuntimeError, OSError):
+        return weights.random_weights(config, seed)
+    if sys.byteorder != "little":
         return weights.random_weights(config, seed)
     w = mapped_copy(copy)
     return w if w is not None else keep_copy(weights.random_weights(config, seed), copy, f"random weights, seed {seed}")

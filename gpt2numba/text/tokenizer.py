@@ -162,9 +162,10 @@ def _ranks(vocab_json, merges_txt, hashes: dict[str, str]) -> dict[bytes, int]:
         data = b"".join(binascii.b2a_base64(token, newline=False) + b" %d\n" % rank for token, rank in ranks.items())
         with contextlib.suppress(OSError):
             folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=folder, suffix=".partial", delete=False) as part:
-                part.write(data)
+            part = tempfile.NamedTemporaryFile(dir=folder, suffix=".partial", delete=False)
             try:  # (renamed whole: a reader finds the copy complete or not at all)
+                with part:
+                    part.write(data)
                 os.replace(part.name, folder / f"{made_from}.{hashlib.sha256(data).hexdigest()}.tiktoken")
             finally:
                 with contextlib.suppress(OSError):
