@@ -149,7 +149,6 @@ warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as caught:
     import gpt2numba as g
     from gpt2numba.cpu import pool
-import gpt2numba.model.forward  # (its import launches Numba's layer and installs the pool)
     from conftest import TINY
     logits = g.prefill(np.arange(40) * 3 % 512, g.random_weights(TINY, seed=2), g.ModelCache(TINY))
 ours = [str(w.message) for w in caught if "gpt2numba's thread pool is off" in str(w.message)]
@@ -159,7 +158,7 @@ print(pool.enabled(), ll.address_of_symbol("numba_parallel_for") == pool._parall
 print(hashlib.sha256(logits.tobytes()).hexdigest())
 """
 
-# the package's modules without its __init__ (which installs the pool), to patch pool.py first
+# the package's modules without its __init__, to patch pool.py before anything imports it
 _EARLY_POOL = """
 sys.modules["gpt2numba"] = types.ModuleType("gpt2numba")
 sys.modules["gpt2numba"].__path__ = ["gpt2numba"]
