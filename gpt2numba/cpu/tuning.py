@@ -70,6 +70,22 @@ def cache_home() -> Path:
     return cache / "gpt2numba"
 
 
+@contextlib.contextmanager
+def replacing(file: Path, mode: str = "wb"):
+    """A new file in ``file``'s folder, open for writing (``mode``), renamed over ``file`` when the block ends
+    and deleted when it raises: a reader, or a process that maps ``file``, finds it whole or not at all. The
+    package writes every file it keeps so (the tuning, the tokenizer's tables, stacked weights)."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    part = tempfile.NamedTemporaryFile(mode, dir=file.parent, prefix=file.name, suffix=".partial", delete=False)
+    try:
+        with part:
+            yield part
+        os.replace(part.name, file)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(part.name)
+
+
 def key(cpu: str, features: frozenset[str] | None) -> dict:
     """The machine and code a tuning holds for: the CPU's model and features, Numba, the kernels' sources."""
     import numba
@@ -135,16 +151,10 @@ def save(machine: dict, values: dict, measured: dict, when: str) -> Path:
                               stacklevel=2)
         entries.append({"key": machine, "values": values, "measured": measured, "written": when})
         mode = file.stat().st_mode & 0o777 if file.exists() else 0o644  # (a temporary file's is 0600)
-        with tempfile.NamedTemporaryFile("w", dir=file.parent, prefix=".tuning-", suffix=".json",
-                                         delete=False) as f:
-            try:
-                json.dump({"gpt2numba_tuning": FORMAT, "entries": entries}, f, indent=1)
-                f.close()
-                os.chmod(f.name, mode)
-                os.replace(f.name, file)
-            except BaseException:
-                os.unlink(f.name)
-                raise
+        with replacing(file, "w") as f:
+            json.dump({"gpt2numba_tuning": FORMAT, "entries": entries}, f, indent=1)
+            f.flush()
+            os.chmod(f.name, mode)
     return file
 
 

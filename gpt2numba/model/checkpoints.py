@@ -3,17 +3,17 @@ the save_pretrained one (and gpt2numba's own int8 and int4 files)."""
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 import os
 import re
 import stat
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from ..cpu.tuning import replacing
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from . import compact, mapped as mapped_layout
 from .compact import BLOCK_MATRICES, INTEGER, MATRICES, STORAGE, storage
@@ -314,10 +314,7 @@ def save_weights(w: GPT2Weights, path: str | Path, dtype: str | None = None, lay
         mapped_layout.write(w, path / "model.safetensors")
     else:
         _write_pretrained(w, path / "model.safetensors", dtype)
-    cfg = w.config
-    config = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size",
-                                           "layer_norm_epsilon")}
-    config |= {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+    config = dataclasses.asdict(w.config) | {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     # safetensors (and a temporary file) writes for its owner alone (0600); the weights get the mode the umask
     # gives config.json, as any file the user writes
@@ -353,16 +350,8 @@ def _write_pretrained(w: GPT2Weights, file: Path, dtype: str) -> None:
     for layer in range(cfg.n_layer):
         for field, name, _ in _LAYER_TENSORS:
             put(f"transformer.h.{layer}.{name}", field, layer)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    # (to a new file, renamed over the old one: a process that maps the old one, this one too, keeps it whole)
-    with tempfile.NamedTemporaryFile(dir=file.parent, prefix=file.name, suffix=".partial", delete=False) as part:
-        pass
-    try:
+    with replacing(file) as part:  # (a process that maps the old file, this one too, keeps it whole)
         save_file(tensors, part.name)
-        os.replace(part.name, file)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(part.name)
 
 
 def _cast16(a: np.ndarray, dtype: str) -> np.ndarray:

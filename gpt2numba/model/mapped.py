@@ -29,13 +29,13 @@ import mmap
 import os
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 
+from ..cpu.tuning import replacing
 from ..errors import CheckpointError
 from . import compact
 from .compact import BLOCK_MATRICES, INTEGER, MATRICES
@@ -74,29 +74,20 @@ def write(w: GPT2Weights, file: Path, metadata: dict | None = None) -> None:
         a = arrays[name]
         header[name] = {"dtype": _DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
-    config = {k: getattr(w.config, k) for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size",
-                                                "layer_norm_epsilon")}
-    meta = {"layout": LAYOUT, "dtype": w.dtype, "config": json.dumps(config), **(metadata or {})}
+    meta = {"layout": LAYOUT, "dtype": w.dtype, "config": json.dumps(dataclasses.asdict(w.config)), **(metadata or {})}
     meta |= {"header_sha256": _header_digest(header, meta), "sums": "0" * 33}
-    file.parent.mkdir(parents=True, exist_ok=True)
     if sys.byteorder != "little":
         raise CheckpointError("the stacked layout is little-endian; this machine is not")
-    with tempfile.NamedTemporaryFile(dir=file.parent, prefix=file.name, suffix=".partial", delete=False) as out:
-        try:
-            out.write(_header(header, meta))  # (the sums, of the data written, go in once known: the same length)
-            for name in order:
-                out.write(memoryview(np.ascontiguousarray(arrays[name])).cast("B"))
-            out.flush()
-            start = out.tell() - offset
-            with mmap.mmap(out.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                meta["sums"] = _sums(np.frombuffer(data, np.uint8, offset, start))
-            out.seek(0)
-            out.write(_header(header, meta))
-            out.flush()
-            os.replace(out.name, file)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(out.name)
+    with replacing(file) as out:
+        out.write(_header(header, meta))  # (the sums, of the data written, go in once known: the same length)
+        for name in order:
+            out.write(memoryview(np.ascontiguousarray(arrays[name])).cast("B"))
+        out.flush()
+        start = out.tell() - offset
+        with mmap.mmap(out.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            meta["sums"] = _sums(np.frombuffer(data, np.uint8, offset, start))
+        out.seek(0)
+        out.write(_header(header, meta))
 
 
 def _header_digest(header: dict, meta: dict) -> str:

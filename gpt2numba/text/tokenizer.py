@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..cpu.tuning import cache_home
+from ..cpu.tuning import cache_home, replacing
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, TokenTypeError
 
 EOT = "<|endoftext|>"
@@ -160,16 +160,9 @@ def _ranks(vocab_json, merges_txt, hashes: dict[str, str]) -> dict[bytes, int]:
                                             hashes["encoder.json"])
     if folder is not None:
         data = b"".join(binascii.b2a_base64(token, newline=False) + b" %d\n" % rank for token, rank in ranks.items())
-        with contextlib.suppress(OSError):
-            folder.mkdir(parents=True, exist_ok=True)
-            part = tempfile.NamedTemporaryFile(dir=folder, suffix=".partial", delete=False)
-            try:  # (renamed whole: a reader finds the copy complete or not at all)
-                with part:
-                    part.write(data)
-                os.replace(part.name, folder / f"{made_from}.{hashlib.sha256(data).hexdigest()}.tiktoken")
-            finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(part.name)
+        kept = folder / f"{made_from}.{hashlib.sha256(data).hexdigest()}.tiktoken"
+        with contextlib.suppress(OSError), replacing(kept) as part:
+            part.write(data)
     return ranks
 
 
