@@ -1,10 +1,21 @@
-"""GGUF files of our weights (for llama.cpp in the benchmark): read back with the gguf package's reader."""
+"""GGUF files: ours (for llama.cpp in the benchmark) read back with the gguf package's reader, and any of
+llama.cpp's GPT-2 files read by load_weights and load_tokenizer (model/from_gguf.py); llama.cpp's own
+converter's files in tests/test_gguf_llama.py."""
+
+import dataclasses
+import json
+import os
+import warnings
 
 import numpy as np
 import pytest
 
 import gpt2numba as g
 from conftest import TINY_GPT2
+from gpt2numba.errors import CheckpointError
+from gpt2numba.model.from_gguf import GGUFWarning
+from gpt2numba.model.mapped import is_mapped
+from helpers import assert_matches_oracle
 
 gguf = pytest.importorskip("gguf", reason="the GGUF writer needs the gguf package (the test and peers extras)")
 
@@ -56,3 +67,206 @@ def test_a_vocabulary_other_than_gpt2s_is_refused(tmp_path):
                    tmp_path / "m.gguf")
     with pytest.raises(ValueError, match="fmt must be one of"):
         write_gguf(g.random_weights(CONFIG), tmp_path / "m.gguf", "Q5_K")
+
+
+# load_weights and load_tokenizer of a GGUF
+
+IDS = [464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 13]
+MATRICES = (("token_embd.weight", "wte", None), ("blk.1.attn_qkv.weight", "c_attn_w", 1),
+            ("blk.0.attn_output.weight", "attn_c_proj_w", 0), ("blk.1.ffn_up.weight", "c_fc_w", 1),
+            ("blk.0.ffn_down.weight", "mlp_c_proj_w", 0))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "gpt2numba"
+
+
+@pytest.fixture(scope="module")
+def files(weights, tmp_path_factory):
+    """Our export of ``weights`` in each format (Q4_0 by the gguf package: its embedding in Q8_0)."""
+    from gpt2numba.integrations.gguf_export import write_gguf
+
+    folder = tmp_path_factory.mktemp("gguf")
+    return {fmt: write_gguf(weights, folder / f"m-{fmt}.gguf", fmt, quantizer="gguf")
+            for fmt in ("F32", "F16", "Q8_0", "Q4_0")}
+
+
+def file_values(path):
+    """Every tensor's values [out, in] as the file holds them, by name."""
+    return {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+            for t in gguf.GGUFReader(path).tensors}
+
+
+def loaded(path, dtype, mapped=True):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a format that holds the file exactly says nothing)
+        return g.load_weights(path, dtype=dtype, mapped=mapped)
+
+
+@pytest.mark.parametrize("fmt, dtype", [("F32", "float32"), ("F16", "float32"), ("Q8_0", "float32"),
+                                        ("Q8_0", "int8"), ("Q4_0", "int4"), ("Q4_0", "float32")])
+def test_a_gguf_loads_as_the_values_it_holds(weights, files, cache, fmt, dtype):
+    w = loaded(files[fmt], dtype)
+    assert w.dtype == dtype and w.config == CONFIG and is_mapped(w)
+    values = file_values(files[fmt])
+    for name, field, layer in MATRICES:  # the file's values, to the bit, each in its place ([in, out] for ours)
+        got = w.matrix(field) if layer is None else w.matrix(field)[layer].T
+        np.testing.assert_array_equal(got, values[name], err_msg=name)
+    np.testing.assert_array_equal(w.wpe, values["position_embd.weight"])
+    np.testing.assert_array_equal(w.ln_2_b[1], values["blk.1.ffn_norm.bias"])
+    np.testing.assert_array_equal(w.ln_f_g, values["output_norm.weight"])
+    logits = g.prefill(IDS, w, g.ModelCache(w.config, max_len=16))
+    assert_matches_oracle(logits, IDS, w.dequantized() if dtype == "float32" else w, f"GGUF {fmt} as {dtype}")
+
+
+def test_an_f32_gguf_loads_as_the_weights_it_was_written_from(weights, files, cache):
+    w = loaded(files["F32"], "float32", mapped=False)
+    for field in ("wte", "wpe", "c_attn_w", "attn_c_proj_w", "c_fc_w", "mlp_c_proj_w", "ln_1_g", "c_fc_b", "ln_f_b"):
+        np.testing.assert_array_equal(getattr(w, field), getattr(weights, field), err_msg=field)
+        assert getattr(w, field).strides == getattr(weights, field).strides, field
+    mc1, mc2 = g.ModelCache(CONFIG, max_len=16), g.ModelCache(CONFIG, max_len=16)
+    np.testing.assert_array_equal(g.prefill(IDS, w, mc1), g.prefill(IDS, weights, mc2))
+
+
+def test_a_gguf_is_converted_once_then_mapped(files, cache, monkeypatch):
+    first = loaded(files["Q8_0"], "int8")
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: pytest.fail("the file was parsed again"))
+    again = loaded(files["Q8_0"], "int8")
+    assert is_mapped(again)
+    for field in ("wte", "c_fc_w", "ln_1_g"):
+        np.testing.assert_array_equal(getattr(again, field), getattr(first, field))
+        np.testing.assert_array_equal(again.scales["c_fc_w"], first.scales["c_fc_w"])
+
+
+def test_a_format_that_cannot_hold_the_file_rounds_again_and_says_so(files, cache):
+    with pytest.warns(GGUFWarning, match=r"int4 cannot hold blk\.0\.attn_qkv\.weight \(Q8_0\).* and 5 more"):
+        w = g.load_weights(files["Q8_0"], dtype="int4", mapped=False)
+    values = file_values(files["Q8_0"])
+    np.testing.assert_array_equal(w.matrix("wte"), values["token_embd.weight"])  # int4's wte is int8: as stored
+    assert not np.array_equal(w.matrix("c_fc_w")[1].T, values["blk.1.ffn_up.weight"])
+    with pytest.warns(GGUFWarning, match="bfloat16 cannot hold token_embd.weight \\(F16\\)"):
+        g.load_weights(files["F16"], dtype="bfloat16", mapped=False)
+    loaded(files["F32"], "int8", mapped=False)  # (rounding float32 as asked, as from any float32 checkpoint: silent)
+
+
+def _rewritten(weights, path, monkeypatch, *, drop=(), change=None, arch=None):
+    """Our F32 export of ``weights`` with tensors dropped or changed (name -> function of its values) and
+    another architecture named."""
+    from gpt2numba.integrations.gguf_export import write_gguf
+
+    with monkeypatch.context() as m:
+        add = gguf.GGUFWriter.add_tensor
+
+        def add_tensor(self, name, a, *args, **kwargs):
+            if name in drop:
+                return None
+            return add(self, name, change[name](a) if change and name in change else a, *args, **kwargs)
+
+        m.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
+        if arch:
+            m.setattr(gguf.GGUFWriter, "add_architecture", lambda self: self.add_string("general.architecture", arch))
+        return write_gguf(weights, path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(arch="llama"), "holds a 'llama' model; gpt2numba runs GPT-2"),
+    (dict(drop=["blk.1.ffn_up.bias"]), "lacks tensor 'blk.1.ffn_up.bias'"),
+    (dict(change={"blk.0.attn_output.weight": lambda a: a[:, :64]}), "'blk.0.attn_output.weight' has shape"),
+    (dict(change={"blk.1.attn_norm.bias": lambda a: np.where(np.arange(a.size) == 3, np.nan, a)}), "non-finite"),
+    (dict(change={"output_norm.bias": lambda a: a}, drop=[]), None),
+])
+def test_a_gguf_that_is_not_gpt2s_is_refused_and_nothing_kept(weights, tmp_path, cache, monkeypatch, edit, message):
+    path = _rewritten(weights, tmp_path / "m.gguf", monkeypatch, **edit)
+    if message is None:  # (the helper itself leaves a file that loads)
+        assert loaded(path, "float32").config == CONFIG
+        return
+    with pytest.raises(CheckpointError, match=message):
+        g.load_weights(path)
+    assert not list((cache / "weights").glob("*.safetensors")) if (cache / "weights").exists() else True
+
+
+def test_an_untied_head_a_cut_file_and_an_extra_tensor_are_refused(weights, files, tmp_path, cache, monkeypatch):
+    from gpt2numba.integrations.gguf_export import write_gguf
+
+    with monkeypatch.context() as m:
+        add = gguf.GGUFWriter.add_tensor
+
+        def with_head(self, name, a, *args, **kwargs):
+            add(self, name, a, *args, **kwargs)
+            if name == "token_embd.weight":
+                add(self, "output.weight", head(a), *args, **kwargs)
+
+        m.setattr(gguf.GGUFWriter, "add_tensor", with_head)
+        head = np.copy  # llama.cpp's files may carry the tied head: equal, it loads
+        tied = write_gguf(weights, tmp_path / "tied.gguf")
+        head = lambda a: a * 2  # noqa: E731
+        untied = write_gguf(weights, tmp_path / "untied.gguf")
+        m.setattr(gguf.GGUFWriter, "add_tensor", lambda self, name, a, *args, **kwargs: add(
+            self, "blk.0.extra.weight" if name == "blk.0.ffn_up.bias" else name, a, *args, **kwargs))
+    assert loaded(tied, "float32", mapped=False).config == CONFIG
+    with pytest.raises(CheckpointError, match="output.weight that differs from token_embd.weight"):
+        g.load_weights(untied)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(files["F32"].read_bytes()[: os.path.getsize(files["F32"]) // 2])
+    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+        g.load_weights(cut)
+
+
+def test_the_tokenizer_is_the_files_own(files, weights, tmp_path, cache, monkeypatch):
+    from gpt2numba.integrations import gguf_export
+    from gpt2numba.text.tokenizer import EOT, gpt2_vocabulary_files
+
+    text = "Hello, world! It's GPT-2's own <|endoftext|> tokenizer: 12345 ünïcødé"
+    assert g.load_tokenizer(files["F32"]).encode(text) == g.load_tokenizer().encode(text)
+    # A vocabulary of GPT-2's 256 bytes, one merge ("h" "e" -> "he") and <|endoftext|>: only the file has it
+    encoder = json.loads(gpt2_vocabulary_files()[0].read_text(encoding="utf-8"))
+    tokens = [t for t, i in sorted(encoder.items(), key=lambda item: item[1]) if i < 256] + ["he", EOT]
+
+    def vocabulary(writer, gguf, vocab_size):
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt-2")
+        writer.add_token_list(tokens)
+        writer.add_token_merges(["h e"])
+
+    monkeypatch.setattr(gguf_export, "_vocabulary", vocabulary)
+    small = dataclasses.replace(CONFIG, vocab_size=len(tokens))
+    path = gguf_export.write_gguf(g.random_weights(small, seed=2), tmp_path / "small.gguf")
+    tok = g.load_tokenizer(path)
+    assert tok.encode("hehe") == [256, 256] and tok.encode(EOT) == [257] and tok.decode([256, *tok.encode("h")]) == "heh"
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: pytest.fail("the file was parsed again"))
+    assert g.load_tokenizer(path).encode("hehe") == [256, 256]  # (from the cache)
+    monkeypatch.undo()
+    kept = next((cache / "tokenizers").glob("gguf-*"))
+    (kept / "merges.txt").write_text("#version: 0.2\nh e\nhe h\n", encoding="utf-8")  # altered: made again
+    assert g.load_tokenizer(path).encode("hehe") == [256, 256]
+
+
+@pytest.mark.parametrize("key, value, message", [("model", "llama", "carries a 'llama' tokenizer"),
+                                                 ("pre", "qwen2", "splits text as 'qwen2'")])
+def test_a_tokenizer_other_than_gpt2s_kind_is_refused(weights, tmp_path, cache, monkeypatch, key, value, message):
+    from gpt2numba.integrations import gguf_export
+
+    setter = f"add_tokenizer_{key}"
+    original = getattr(gguf.GGUFWriter, setter)
+    monkeypatch.setattr(gguf.GGUFWriter, setter, lambda self, v: original(self, value))
+    path = gguf_export.write_gguf(weights, tmp_path / "m.gguf")
+    with pytest.raises(CheckpointError, match=message):
+        g.load_tokenizer(path)
+
+
+def test_a_q8_0_value_outside_int8s_range_is_rounded_again(files, tmp_path, cache):
+    """ggml's quantiser never writes -128, but a file may hold it: int8 ([-127, 127]) cannot."""
+    data = bytearray(files["Q8_0"].read_bytes())
+    t = next(t for t in gguf.GGUFReader(files["Q8_0"]).tensors if t.name == "blk.1.ffn_down.weight")
+    data[t.data_offset + 2 + 5] = 0x80  # the first block's sixth value, after its float16 scale
+    path = tmp_path / "m.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.warns(GGUFWarning, match=r"int8 cannot hold blk\.1\.ffn_down\.weight \(Q8_0\) as"):
+        w = g.load_weights(path, dtype="int8", mapped=False)
+    assert (w.mlp_c_proj_w[1] >= -127).all()
+    values = file_values(path)
+    np.testing.assert_array_equal(w.matrix("c_fc_w")[1].T, values["blk.1.ffn_up.weight"])  # the rest as stored
+    np.testing.assert_array_equal(loaded(path, "float32", mapped=False).matrix("mlp_c_proj_w")[1].T,
+                                  values["blk.1.ffn_down.weight"])

@@ -4,7 +4,9 @@ Written with the gguf package (its GGUFWriter and its quantisers) in llama.cpp's
 "gpt2" layout: matrices are [out, in] (the model's layout is [in, out]), one fused
 attn_qkv per block, and GPT-2's own vocabulary and merges so llama.cpp can load it.
 Q4_0 comes from llama.cpp's own quantiser (llama_model_quantize) over the F32
-file, so it is llama.cpp's default Q4_0: the tied embedding and head in Q6_K.
+file, so it is llama.cpp's default Q4_0: the tied embedding and head in Q6_K;
+or, with quantizer="gguf", from the gguf package's, with the embedding in Q8_0:
+the shape of gpt2numba's int4, which loads such a file as it is stored.
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ _LAYER = (("attn_norm", "ln_1_g", "ln_1_b"), ("attn_qkv", "c_attn_w", "c_attn_b"
           ("ffn_up", "c_fc_w", "c_fc_b"), ("ffn_down", "mlp_c_proj_w", "mlp_c_proj_b"))
 
 
-def write_gguf(w: GPT2Weights, path: str | Path, fmt: str = "F32") -> Path:
-    """The weights' float32 values as a GGUF file in ``fmt`` (F32, F16, Q8_0, or Q4_0 via llama.cpp)."""
+def write_gguf(w: GPT2Weights, path: str | Path, fmt: str = "F32", quantizer: str = "llama.cpp") -> Path:
+    """The weights' float32 values as a GGUF file in ``fmt`` (F32, F16, Q8_0, or Q4_0 by ``quantizer``: see above)."""
     import gguf
 
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if quantizer not in ("llama.cpp", "gguf"):
+        raise ValueError(f"quantizer must be 'llama.cpp' or 'gguf', got {quantizer!r}")
     path = Path(path)
-    if fmt == "Q4_0":
+    if fmt == "Q4_0" and quantizer == "llama.cpp":
         f32 = write_gguf(w, path.with_suffix(".f32.gguf"), "F32")
         _llama_quantize(f32, path, "Q4_0")
         f32.unlink()
@@ -45,15 +49,16 @@ def write_gguf(w: GPT2Weights, path: str | Path, fmt: str = "F32") -> Path:
     writer.add_head_count(cfg.n_head)
     writer.add_layer_norm_eps(cfg.layer_norm_epsilon)
     writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-                          "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[fmt])
+                          "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[fmt])
     _vocabulary(writer, gguf, cfg.vocab_size)
 
-    def stored(name, a):  # a matrix [out, in], in fmt
+    def stored(name, a):  # a matrix [out, in], in fmt (Q4_0's embedding in Q8_0)
         a = np.ascontiguousarray(a, np.float32)
+        kind = gguf.GGMLQuantizationType.Q8_0 if fmt == "Q4_0" and name == "token_embd.weight" else qtype
         if fmt == "F32":
             writer.add_tensor(name, a)
         else:
-            writer.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+            writer.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
 
     def plain(name, a):  # float32 in every format
         writer.add_tensor(name, np.ascontiguousarray(a, np.float32))

@@ -4,6 +4,7 @@ the save_pretrained one (and gpt2numba's own int8 and int4 files)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import numpy as np
 from ..cpu.tuning import replacing
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from . import compact, mapped as mapped_layout
+from .checks import check_finite
 from .compact import BLOCK_MATRICES, INTEGER, MATRICES, STORAGE, storage
 from .config import HEAD_DIM, GPT2Config
 from .weights import _LAYER_TENSORS, _MODEL_TENSORS, GPT2Weights, check_dtype, _field_shapes
@@ -26,11 +28,13 @@ _IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
 
 def load_weights(path: str | Path, dtype: str = "float32", activations: str = "float32", *,
                  mapped: bool = True) -> GPT2Weights:
-    """Load GPT-2 weights from a safetensors checkpoint.
+    """Load GPT-2 weights from a safetensors checkpoint or a llama.cpp GGUF file.
 
     ``path`` is a directory holding ``model.safetensors`` (and ``config.json``,
-    whose sizes must agree with the tensors) or a ``.safetensors`` file, whose
-    config is inferred from the tensor shapes (head_dim 64). Both layouts of real
+    whose sizes must agree with the tensors), a ``.safetensors`` file, whose
+    config is inferred from the tensor shapes (head_dim 64), or a GGUF file of
+    llama.cpp's "gpt2" architecture (from_gguf.py: any type its gguf package reads,
+    exactly as float32; Q8_0, Q4_0 and BF16 as stored by int8, int4 and bfloat16). Both layouts of real
     GPT-2 checkpoints load: ``transformer.``-prefixed keys (``save_pretrained``)
     and bare keys (``openai-community/gpt2``). float32, float16 and bfloat16
     tensors are read, and the int8 and int4 files save_weights writes; ``dtype``
@@ -49,9 +53,11 @@ def load_weights(path: str | Path, dtype: str = "float32", activations: str = "f
 
     Raises CheckpointNotFoundError for a missing path and CheckpointError for an
     unreadable file, a missing, mis-shaped or non-finite tensor, an untied
-    ``lm_head.weight`` or a config.json that disagrees with the tensors.
+    ``lm_head.weight`` (a GGUF's ``output.weight``) or a config.json that disagrees with the tensors.
     """
     from safetensors import SafetensorError, safe_open
+
+    from . import from_gguf
 
     check_dtype(dtype, activations=activations)  # the config, known later, is checked against it in _read
     if not isinstance(path, (str, os.PathLike)):
@@ -69,25 +75,38 @@ def load_weights(path: str | Path, dtype: str = "float32", activations: str = "f
             config = GPT2Config.from_json(os.path.join(path, "config.json"))
     else:
         file, source = checkpoint, os.fspath(path)
-    try:
-        with safe_open(str(file), framework="numpy") as f:
-            stacked = mapped_layout.is_stacked({"__metadata__": f.metadata() or {}})
+    if from_gguf.is_gguf(file):
+        read = functools.partial(from_gguf.read, file, source, dtype)
+    else:
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                stacked = mapped_layout.is_stacked({"__metadata__": f.metadata() or {}})
+        except SafetensorError as e:
+            raise CheckpointError(f"{source!r} is not a readable safetensors file: {e}") from None
         if stacked:
             return _stacked(file, source, config, dtype, mapped).astype(dtype, activations)
-        copy = mapped_layout.copy_path(file, config_json, dtype) if mapped else None
-        if copy is not None and (w := mapped_layout.mapped_copy(copy)) is not None:
-            return w.astype(dtype, activations)
-        # The library checks the file (header, offsets, size) and lists the tensors;
-        # their bytes we read ourselves, straight into the stacked arrays: its
-        # get_tensor would copy each one out of a memory map that, once read, counts
-        # against the process's resident memory beside our copy, doubling the peak.
-        with safe_open(str(file), framework="numpy") as f, open(file, "rb", buffering=0) as raw:
-            w = _read(f, _TensorReader(raw), source, config, dtype)
-    except SafetensorError as e:
-        raise CheckpointError(f"{source!r} is not a readable safetensors file: {e}") from None
+        read = functools.partial(_read_safetensors, file, source, config, dtype)
+    copy = mapped_layout.copy_path(file, config_json, dtype) if mapped else None
+    if copy is not None and (w := mapped_layout.mapped_copy(copy)) is not None:
+        return w.astype(dtype, activations)
+    w = read()
     if copy is not None and copy == mapped_layout.copy_path(file, config_json, dtype):  # (not changed meanwhile)
         w = mapped_layout.keep_copy(w, copy, source)
     return w.astype(dtype, activations)
+
+
+def _read_safetensors(file: Path, source: str, config: GPT2Config | None, dtype: str) -> GPT2Weights:
+    from safetensors import SafetensorError, safe_open
+
+    # The library checks the file (header, offsets, size) and lists the tensors;
+    # their bytes we read ourselves, straight into the stacked arrays: its
+    # get_tensor would copy each one out of a memory map that, once read, counts
+    # against the process's resident memory beside our copy, doubling the peak.
+    try:
+        with safe_open(str(file), framework="numpy") as f, open(file, "rb", buffering=0) as raw:
+            return _read(f, _TensorReader(raw), source, config, dtype)
+    except SafetensorError as e:
+        raise CheckpointError(f"{source!r} is not a readable safetensors file: {e}") from None
 
 
 def _stacked(file: Path, source: str, config: GPT2Config | None, dtype: str, mapped: bool) -> GPT2Weights:
@@ -198,7 +217,7 @@ def _read(f, reader: _TensorReader, source: str, config: GPT2Config | None, dtyp
         at = ... if layer is None else layer
         if field not in MATRICES or dtype == "float32" and not integer_file:
             reader.read_into(name, arrays[field][at])
-            _check_finite(name, arrays[field][at])
+            check_finite(name, arrays[field][at])
         elif kind == compact.format_of(field, dtype):  # as stored
             if dtype in INTEGER:
                 reader.read_stored(name, arrays[field][at])
@@ -206,11 +225,11 @@ def _read(f, reader: _TensorReader, source: str, config: GPT2Config | None, dtyp
             else:  # bfloat16 bits, turned [out, in]
                 bits = np.empty(model_shape, np.uint16)
                 reader.read_stored(name, bits)
-                _check_finite(name, compact.from_bfloat16(bits))
+                check_finite(name, compact.from_bfloat16(bits))
                 arrays[field][at] = compact.to_rows(field, bits)
         else:  # through float32, one tensor at a time
             values = _read_float32(f, reader, name, field, model_shape)
-            _check_finite(name, values)
+            check_finite(name, values)
             stored, scale = compact.compress(field, values, dtype)
             arrays[field][at] = stored
             if scales is not None:
@@ -239,7 +258,7 @@ def _read_scale(f, reader, name, dest):
     if got != dest.shape or reader.dtype(name + _SCALE) != "F32":
         raise CheckpointError(f"tensor {name + _SCALE!r} is not F32 of shape {list(dest.shape)}")
     reader.read_stored(name + _SCALE, dest)
-    _check_finite(name + _SCALE, dest)
+    check_finite(name + _SCALE, dest)
 
 
 def _read_float32(f, reader, name, field, shape) -> np.ndarray:
@@ -254,11 +273,6 @@ def _read_float32(f, reader, name, field, shape) -> np.ndarray:
     scale = np.empty(compact.scale_shape(field, shape), np.float32)
     _read_scale(f, reader, name, scale)
     return compact.expand(field, q, scale)
-
-
-def _check_finite(name, a):
-    if not np.isfinite(a).all():
-        raise CheckpointError(f"tensor {name!r} holds non-finite values (nan or inf)")
 
 
 def _infer_config(wte_shape, wpe_shape, n_layer, source) -> GPT2Config:
@@ -314,7 +328,9 @@ def save_weights(w: GPT2Weights, path: str | Path, dtype: str | None = None, lay
         mapped_layout.write(w, path / "model.safetensors")
     else:
         _write_pretrained(w, path / "model.safetensors", dtype)
-    config = dataclasses.asdict(w.config) | {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+    # (n_ctx: the older name of n_positions, which GPT-2's own config.json carries and llama.cpp's converter reads)
+    config = dataclasses.asdict(w.config) | {"n_ctx": w.config.n_positions, "model_type": "gpt2",
+                                             "architectures": ["GPT2LMHeadModel"]}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     # safetensors (and a temporary file) writes for its owner alone (0600); the weights get the mode the umask
     # gives config.json, as any file the user writes

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import BatchError, CacheFullError, ConfigError, GPT2NumbaError, SamplingError, TokenError, TokenTypeError
+from ..errors import (BatchError, CacheFullError, CheckpointError, ConfigError, GPT2NumbaError, SamplingError,
+                      TokenError, TokenTypeError)
 from .config import GPT2Config
+
+
+def check_finite(name: str, a: np.ndarray) -> None:
+    """CheckpointError unless a checkpoint's tensor ``name`` holds finite values only."""
+    if not np.isfinite(a).all():
+        raise CheckpointError(f"tensor {name!r} holds non-finite values (nan or inf)")
 
 
 def is_integer(value) -> bool:

