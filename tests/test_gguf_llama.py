@@ -13,6 +13,7 @@ import pytest
 
 import gpt2numba as g
 from conftest import TINY_GPT2
+from gpt2numba.model import oracle
 from gpt2numba.model.mapped import is_mapped
 from helpers import assert_matches_oracle
 
@@ -68,6 +69,15 @@ def test_llama_cpps_converter_output_loads_as_the_checkpoints_values(checkpoint,
         np.testing.assert_array_equal(getattr(w, field), getattr(ref, field), err_msg=field)
     logits = g.prefill(IDS, w, g.ModelCache(w.config, max_len=16))
     assert_matches_oracle(logits, IDS, w, f"llama.cpp's {outtype} as {dtype}")
+    # against the checkpoint itself loaded in the same format: the same weights give the same logits, and
+    # rounded ones (f16, q8_0 by ggml's quantiser) agree within that format's tolerance
+    from_checkpoint = g.load_weights(checkpoint, dtype=dtype, mapped=False)
+    expected = g.prefill(IDS, from_checkpoint, g.ModelCache(w.config, max_len=16))
+    if outtype in ("f32", "bf16"):
+        np.testing.assert_array_equal(logits, expected)
+    else:
+        ok, why = oracle.agreement(logits, expected, w)
+        assert ok, why
 
 
 def test_llama_cpps_converter_output_carries_gpt2s_tokenizer(checkpoint, tmp_path, monkeypatch):
