@@ -445,7 +445,7 @@ def test_version():
 
 @pytest.mark.parametrize("name, hub", [
     ("gpt2", True), ("openai-community/gpt2", True), ("gpt2-medium", True),
-    ("./gpt2", False), ("a/b/c", False), ("model.safetensors", False), ("/abs/gpt2", False),
+    ("./gpt2", False), ("a/b/c", False), ("model.safetensors", False), ("gpt2-q8_0.gguf", False), ("/abs/gpt2", False),
     ("here/gpt2", False),  # a folder "here" exists: a missing local path, not a hub name
     ("made", False),       # exists here: the local checkpoint wins
 ])

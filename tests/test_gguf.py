@@ -3,6 +3,7 @@ llama.cpp's GPT-2 files read by load_weights and load_tokenizer (model/from_gguf
 converter's files in tests/test_gguf_llama.py."""
 
 import dataclasses
+import hashlib
 import json
 import os
 import warnings
@@ -187,31 +188,64 @@ def test_a_gguf_that_is_not_gpt2s_is_refused_and_nothing_kept(weights, tmp_path,
     assert not list((cache / "weights").glob("*.safetensors")) if (cache / "weights").exists() else True
 
 
-def test_an_untied_head_a_cut_file_and_an_extra_tensor_are_refused(weights, files, tmp_path, cache, monkeypatch):
+def _with_extra(weights, path, monkeypatch, extra):
+    """Our F32 export of ``weights`` with a tensor added after token_embd: name -> (function of token_embd's values,
+    the GGUF type to write it in)."""
     from gpt2numba.integrations.gguf_export import write_gguf
 
+    (name, (values_of, kind)), = extra.items()
     with monkeypatch.context() as m:
         add = gguf.GGUFWriter.add_tensor
 
-        def with_head(self, name, a, *args, **kwargs):
-            add(self, name, a, *args, **kwargs)
-            if name == "token_embd.weight":
-                add(self, "output.weight", head(a), *args, **kwargs)
+        def add_tensor(self, tensor, a, *args, **kwargs):
+            add(self, tensor, a, *args, **kwargs)
+            if tensor == "token_embd.weight":
+                qtype = getattr(gguf.GGMLQuantizationType, kind)
+                b = values_of(a)
+                add(self, name, b if kind == "F32" else gguf.quants.quantize(b, qtype), raw_dtype=qtype)
 
-        m.setattr(gguf.GGUFWriter, "add_tensor", with_head)
-        head = np.copy  # llama.cpp's files may carry the tied head: equal, it loads
-        tied = write_gguf(weights, tmp_path / "tied.gguf")
-        head = lambda a: a * 2  # noqa: E731
-        untied = write_gguf(weights, tmp_path / "untied.gguf")
-        m.setattr(gguf.GGUFWriter, "add_tensor", lambda self, name, a, *args, **kwargs: add(
-            self, "blk.0.extra.weight" if name == "blk.0.ffn_up.bias" else name, a, *args, **kwargs))
+        m.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
+        return write_gguf(weights, path)
+
+
+def test_a_tied_head_loads_and_an_untied_one_is_refused(weights, tmp_path, cache, monkeypatch):
+    tied = _with_extra(weights, tmp_path / "tied.gguf", monkeypatch, {"output.weight": (np.copy, "F32")})
     assert loaded(tied, "float32", mapped=False).config == CONFIG
+    untied = _with_extra(weights, tmp_path / "untied.gguf", monkeypatch, {"output.weight": (lambda a: a * 2, "F32")})
     with pytest.raises(CheckpointError, match="output.weight that differs from token_embd.weight"):
         g.load_weights(untied)
+    # llama.cpp's quantiser gives a head of its own another type: the same matrix rounded apart, set aside
+    apart = _with_extra(weights, tmp_path / "apart.gguf", monkeypatch, {"output.weight": (np.copy, "Q8_0")})
+    with pytest.warns(GGUFWarning, match=r"output.weight \(Q8_0\) is token_embd.weight \(F32\) rounded apart"):
+        w = g.load_weights(apart, mapped=False)
+    np.testing.assert_array_equal(w.wte, weights.wte)
+    drawn_apart = _with_extra(weights, tmp_path / "drawn.gguf", monkeypatch,
+                              {"output.weight": (lambda a: np.random.default_rng(0).permutation(a), "Q8_0")})
+    with pytest.raises(CheckpointError, match="output.weight that differs"):
+        g.load_weights(drawn_apart)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"blk.0.extra.weight": (np.copy, "F32")}, "unexpected tensor 'blk.0.extra.weight'; is this GPT-2?"),
+])
+def test_an_extra_tensor_is_refused(weights, tmp_path, cache, monkeypatch, extra, message):
+    with pytest.raises(CheckpointError, match=message):
+        g.load_weights(_with_extra(weights, tmp_path / "m.gguf", monkeypatch, extra))
+
+
+def test_a_cut_or_foreign_file_is_refused(weights, files, tmp_path, cache, monkeypatch):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(files["F32"].read_bytes()[: os.path.getsize(files["F32"]) // 2])
     with pytest.raises(CheckpointError, match="not a readable GGUF file"):
         g.load_weights(cut)
+    flat = _rewritten(weights, tmp_path / "flat.gguf", monkeypatch, change={"token_embd.weight": np.ravel})
+    with pytest.raises(CheckpointError, match="no tensor 'token_embd.weight' of two axes"):
+        g.load_weights(flat)
+    wide = _rewritten(weights, tmp_path / "wide.gguf", monkeypatch,
+                      change={"blk.0.ffn_norm.weight": lambda a: a.astype(np.float64)})
+    with pytest.raises(CheckpointError, match="'blk.0.ffn_norm.weight' is of type F64, which gpt2numba cannot read"):
+        g.load_weights(wide)
+    assert not (cache / "weights").exists() or not list((cache / "weights").glob("*.safetensors"))
 
 
 def test_the_tokenizer_is_the_files_own(files, weights, tmp_path, cache, monkeypatch):
@@ -234,13 +268,26 @@ def test_the_tokenizer_is_the_files_own(files, weights, tmp_path, cache, monkeyp
     small = dataclasses.replace(CONFIG, vocab_size=len(tokens))
     path = gguf_export.write_gguf(g.random_weights(small, seed=2), tmp_path / "small.gguf")
     tok = g.load_tokenizer(path)
-    assert tok.encode("hehe") == [256, 256] and tok.encode(EOT) == [257] and tok.decode([256, *tok.encode("h")]) == "heh"
-    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: pytest.fail("the file was parsed again"))
-    assert g.load_tokenizer(path).encode("hehe") == [256, 256]  # (from the cache)
-    monkeypatch.undo()
-    kept = next((cache / "tokenizers").glob("gguf-*"))
-    (kept / "merges.txt").write_text("#version: 0.2\nh e\nhe h\n", encoding="utf-8")  # altered: made again
-    assert g.load_tokenizer(path).encode("hehe") == [256, 256]
+    assert tok.encode("hehe") == [256, 256] and tok.encode(EOT) == [257]
+    assert tok.decode([256, *tok.encode("h")]) == "heh"
+    with monkeypatch.context() as m:
+        m.setattr(gguf, "GGUFReader", lambda *a, **k: pytest.fail("the file was parsed again"))
+        assert g.load_tokenizer(path).encode("hehe") == [256, 256]  # (from the cache)
+    place = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:16]
+    kept, = (cache / "tokenizers").glob(f"gguf-{place}-*")
+    # Altered copies, a BPE of their own that would make "hehe" one token (257): made again
+    altered_vocab = {t: i for i, t in enumerate(tokens[:256] + ["he", "hehe", EOT])}
+    for digests in (None, "{}", "[]", '{"encoder.json": "0"}'):
+        (kept / "vocab.json").write_text(json.dumps(altered_vocab), encoding="utf-8")
+        (kept / "merges.txt").write_text("#version: 0.2\nh e\nhe he\n", encoding="utf-8")
+        if digests is not None:
+            (kept / "sha256.json").write_text(digests)
+        assert g.load_tokenizer(path).encode("hehe") == [256, 256], digests
+        assert (kept / "merges.txt").read_text(encoding="utf-8").splitlines()[1:] == ["h e"]
+    os.utime(path, ns=(1, 1))  # a new state: a new copy, the old one removed
+    g.load_tokenizer(path)
+    now, = (cache / "tokenizers").glob(f"gguf-{place}-*")
+    assert now != kept
 
 
 @pytest.mark.parametrize("key, value, message", [("model", "llama", "carries a 'llama' tokenizer"),

@@ -39,8 +39,9 @@ def checkpoint(tmp_path_factory):
 def converted(checkpoint, outtype):
     out = checkpoint.parent / f"{checkpoint.name}-{outtype}.gguf"
     if not out.exists():
-        subprocess.run([sys.executable, CONVERTER, str(checkpoint), "--outtype", outtype, "--outfile", str(out)],
-                       check=True, capture_output=True, timeout=600)
+        done = subprocess.run([sys.executable, CONVERTER, str(checkpoint), "--outtype", outtype, "--outfile", str(out)],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"the converter failed ({done.returncode}):\n{done.stderr[-3000:]}"
     return out
 
 
@@ -83,6 +84,7 @@ def test_llama_cpps_converter_output_loads_as_the_checkpoints_values(checkpoint,
 def test_llama_cpps_converter_output_carries_gpt2s_tokenizer(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     text = "Hello, world! It's GPT-2's own <|endoftext|> tokenizer: 12345 ünïcødé\n\n  spaces"
-    tokenizer = g.load_tokenizer(converted(checkpoint, "f32"))
-    assert tokenizer.encode(text) == g.load_tokenizer().encode(text)
+    tokenizer, gpt2 = g.load_tokenizer(converted(checkpoint, "f32")), g.load_tokenizer()
+    assert [tokenizer.token_bytes(i) for i in range(50257)] == [gpt2.token_bytes(i) for i in range(50257)]
+    assert tokenizer.encode(text) == gpt2.encode(text)
     assert tokenizer.decode(tokenizer.encode(text)) == text

@@ -51,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2numba", description="GPT-2 inference on the CPU with Numba.")
     parser.add_argument("--version", action="version", version=f"gpt2numba {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    model_help = ("checkpoint directory, .safetensors file, or a Hugging Face name such as gpt2 or "
-                  "openai-community/gpt2 (needs the [hub] extra and network; a local path of that name wins: "
+    model_help = ("checkpoint directory, .safetensors or .gguf file (llama.cpp's; the [gguf] extra), or a Hugging "
+                  "Face name such as gpt2 or openai-community/gpt2 (needs the [hub] extra and network; a local path of that name wins: "
                   "docs/api.md, 'A real checkpoint'); default: $GPT2NUMBA_WEIGHTS, else seeded random GPT-2 small")
     dtype_help = ("how the matrices are kept: float32 (default), bfloat16 (half the bytes), int8 "
                   "(a quarter, one scale per 32 weights) or int4 (an eighth, the same scales); a decode step "

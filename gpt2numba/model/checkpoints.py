@@ -33,8 +33,9 @@ def load_weights(path: str | Path, dtype: str = "float32", activations: str = "f
     ``path`` is a directory holding ``model.safetensors`` (and ``config.json``,
     whose sizes must agree with the tensors), a ``.safetensors`` file, whose
     config is inferred from the tensor shapes (head_dim 64), or a GGUF file of
-    llama.cpp's "gpt2" architecture (from_gguf.py: any type its gguf package reads,
-    exactly as float32; Q8_0, Q4_0 and BF16 as stored by int8, int4 and bfloat16). Both layouts of real
+    llama.cpp's "gpt2" architecture (from_gguf.py: any type the gguf package dequantizes,
+    F16, BF16, Q8_0, Q4_0 and Q6_K exactly in float32; Q8_0, Q4_0 and BF16 as stored
+    by int8, int4 and bfloat16). Both layouts of real
     GPT-2 checkpoints load: ``transformer.``-prefixed keys (``save_pretrained``)
     and bare keys (``openai-community/gpt2``). float32, float16 and bfloat16
     tensors are read, and the int8 and int4 files save_weights writes; ``dtype``

@@ -4,17 +4,19 @@ A GGUF keeps each block's tensors apart, so load_weights converts one once into 
 that (mapped.py), as it does a safetensors checkpoint. llama.cpp's "gpt2" layout: matrices [out, in]
 (each row's inputs contiguous: ggml's ne0), one fused attn_qkv a block, the head tied to token_embd.
 
-Every GGUF type gguf can dequantize reads as float32 exactly (an F16, a Q8_0's d x q, a Q6_K's d x
-scale x q: products of at most 24 significant bits). The compact formats take a file's tensors as
-stored where their blocks agree: Q8_0 is our int8 (32 inputs a block, one scale, values in
-[-127, 127]; ggml's f16 scale widened to float32), Q4_0 our int4 (the same nibbles: value + 8, input j
-of a block in byte j's low nibble, input j + 16 in its high one), BF16 our bfloat16. Any other pairing
-is rounded again from the exact values, and said with a GGUFWarning: llama.cpp's own Q4_0 files
-keep the tied embedding in Q6_K, which int4 (whose wte is int8) cannot hold.
+In float32 a tensor of any type the gguf package dequantizes holds the values it gives: for F16, BF16,
+Q8_0, Q4_0 and Q6_K the file's values exactly (a float16; d x q; Q6_K's d x scale x q: products of at most
+24 significant bits); types with an added minimum (Q4_1, Q4_K, ...) as float32 rounds d x q + m. The
+compact formats take a file's tensors as stored where their blocks agree: Q8_0 is our int8 (32 inputs a
+block, one scale, values in [-127, 127]; ggml's f16 scale widened to float32), Q4_0 our int4 (the same
+nibbles: value + 8, input j of a block in byte j's low nibble, input j + 16 in its high one), BF16 our
+bfloat16. Any other pairing is rounded again from the float32 values, and said with a GGUFWarning:
+llama.cpp's own Q4_0 files keep the tied embedding in Q6_K, which int4 (whose wte is int8) cannot hold.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 
@@ -51,13 +53,16 @@ def is_gguf(file: Path) -> bool:
 def _reader(file: Path, source: str):
     try:
         import gguf
-    except ImportError:
-        raise CheckpointError(f"{source!r} is a GGUF file; reading one needs the gguf package: "
+    except ImportError as e:
+        raise CheckpointError(f"{source!r} is a GGUF file; reading one needs the gguf package ({e}): "
                               "pip install 'gpt2numba[gguf]'") from None
     try:
-        return gguf, gguf.GGUFReader(file, "r")
+        reader = gguf.GGUFReader(file, "r")
     except Exception as e:  # (an untrusted file: whatever its parser raises)
         raise CheckpointError(f"{source!r} is not a readable GGUF file: {e!r}") from None
+    if reader.byte_order != "I" or sys.byteorder != "little":  # ("S": swapped against this machine's order)
+        raise CheckpointError(f"{source!r}: gpt2numba reads little-endian GGUF files on little-endian machines")
+    return gguf, reader
 
 
 def _value(reader, key: str, source: str):
@@ -65,6 +70,8 @@ def _value(reader, key: str, source: str):
     field = reader.fields.get(key)
     if field is None or not field.data:
         raise CheckpointError(f"{source!r} has no {key!r}")
+    if field.types[0].name == "ARRAY":
+        raise CheckpointError(f"{source!r}: {key!r} is an array; gpt2numba reads one value (every layer alike)")
     part = field.parts[field.data[0]]
     if field.types[0].name == "STRING":
         return bytes(part).decode("utf-8", "replace")
@@ -76,14 +83,21 @@ def _strings(reader, key: str, source: str) -> list[str]:
     field = reader.fields.get(key)
     if field is None:
         raise CheckpointError(f"{source!r} has no {key!r}")
-    return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+    try:
+        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{source!r}: {key!r} holds a string that is not UTF-8 ({e})") from None
+
+
+def _check_architecture(reader, source: str) -> None:
+    if (arch := _value(reader, "general.architecture", source)) != "gpt2":
+        raise CheckpointError(f"{source!r} holds a {arch!r} model; gpt2numba runs GPT-2 ('gpt2')")
 
 
 def _config(reader, tensors, source: str) -> GPT2Config:
-    if (arch := _value(reader, "general.architecture", source)) != "gpt2":
-        raise CheckpointError(f"{source!r} holds a {arch!r} model; gpt2numba runs GPT-2 ('gpt2')")
-    if "token_embd.weight" not in tensors:
-        raise CheckpointError(f"{source!r} has no tensor 'token_embd.weight'")
+    _check_architecture(reader, source)
+    if "token_embd.weight" not in tensors or len(tensors["token_embd.weight"].shape) != 2:
+        raise CheckpointError(f"{source!r} has no tensor 'token_embd.weight' of two axes")
     n_embd = _value(reader, "gpt2.embedding_length", source)
     if (ff := _value(reader, "gpt2.feed_forward_length", source)) != 4 * n_embd:
         raise CheckpointError(f"{source!r}: feed_forward_length {ff} is not 4 x embedding_length {n_embd}")
@@ -125,7 +139,8 @@ def read(file: Path, source: str, dtype: str) -> GPT2Weights:
         shape = shapes[field][1:] if layer is not None else shapes[field]
         rows = shape[::-1] if field in BLOCK_MATRICES else shape  # [out, in]
         if tuple(reversed(t.shape.tolist())) != rows:  # (ggml's ne lists the fastest axis first)
-            raise CheckpointError(f"tensor {name!r} has shape {list(reversed(t.shape.tolist()))}, expected {list(rows)}")
+            raise CheckpointError(f"tensor {name!r} has shape {list(reversed(t.shape.tolist()))}, "
+                                  f"expected {list(rows)}")
         kind = t.tensor_type.name
         fmt = compact.format_of(field, dtype) if field in MATRICES else "float32"
         stored = _as_stored(t.data, kind, rows) if _AS_STORED.get(fmt) == kind and compact.GROUP == _BLOCK else None
@@ -148,11 +163,7 @@ def read(file: Path, source: str, dtype: str) -> GPT2Weights:
         if scales is not None:
             scales[field][at] = scale
     if "output.weight" in tensors:
-        head = tensors["output.weight"]
-        if list(head.shape) != list(tensors["token_embd.weight"].shape) or not np.array_equal(
-                _values(gguf, head, rows=shapes["wte"]), _values(gguf, tensors["token_embd.weight"], shapes["wte"])):
-            raise CheckpointError(f"{source!r} has an output.weight that differs from token_embd.weight; "
-                                  "gpt2numba supports only GPT-2's tied output head")
+        _check_tied(gguf, tensors["output.weight"], tensors["token_embd.weight"], shapes["wte"], source)
     if rounded:
         warnings.warn(f"gpt2numba: {source!r}: {dtype} cannot hold {', '.join(rounded[:3])}"
                       f"{f' and {len(rounded) - 3} more' if len(rounded) > 3 else ''} as the file stores "
@@ -161,20 +172,48 @@ def read(file: Path, source: str, dtype: str) -> GPT2Weights:
     return GPT2Weights(config=config, **arrays, dtype=dtype, scales=scales)
 
 
+def _check_tied(gguf, head, embedding, rows, source: str) -> None:
+    """CheckpointError unless the file's output.weight is its token_embd.weight: GPT-2's head is tied.
+
+    llama.cpp's converters once wrote the head as a copy of the embedding, and its quantiser then gives the head a
+    type of its own (Q6_K, or Q8_0 where n_embd is not a multiple of 256): the same matrix rounded apart. So a head
+    of the embedding's type must equal it; one of another type must lie within a quarter of its size (the root mean
+    square of their difference against the embedding's: a Q2_K rounding errs by a tenth or so, two matrices drawn
+    apart by about 1.4), and is set aside with a GGUFWarning: the head is token_embd, as GPT-2's is."""
+    untied = CheckpointError(f"{source!r} has an output.weight that differs from token_embd.weight; "
+                             "gpt2numba supports only GPT-2's tied output head")
+    if list(head.shape) != list(embedding.shape):
+        raise untied
+    h, e = _values(gguf, head, rows), _values(gguf, embedding, rows)
+    if head.tensor_type == embedding.tensor_type:
+        if not np.array_equal(h, e):
+            raise untied
+        return
+    if not np.linalg.norm(h - e) <= 0.25 * np.linalg.norm(e):  # (not: a NaN fails too)
+        raise untied
+    warnings.warn(f"gpt2numba: {source!r}: output.weight ({head.tensor_type.name}) is token_embd.weight "
+                  f"({embedding.tensor_type.name}) rounded apart; the head is token_embd.weight, as GPT-2's is tied, "
+                  "so logits differ from llama.cpp's, which reads output.weight", GGUFWarning, stacklevel=4)
+
+
 def _values(gguf, t, rows) -> np.ndarray:
-    """A tensor's float32 values [out, in], exactly."""
-    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(rows)
+    """A tensor's values [out, in] as the gguf package dequantizes them to float32."""
+    try:
+        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(rows)
+    except (NotImplementedError, ValueError, TypeError) as e:
+        raise CheckpointError(f"tensor {t.name!r} is of type {t.tensor_type.name}, which gpt2numba cannot read as "
+                              f"float32 ({e!r})") from None
 
 
 def _as_stored(data: np.ndarray, kind: str, rows: tuple):
     """(values as our format stores them, float32 scales or None) of a tensor whose type is our format's own,
     or None where it is not held exactly after all (a Q8_0 value of -128, outside int8's [-127, 127])."""
     if kind == "BF16":
-        return np.ascontiguousarray(data).view(np.uint16).reshape(rows), None
+        return np.ascontiguousarray(data).view("<u2").reshape(rows), None
     out, n_in = rows
     half = 2 if kind == "Q4_0" else 1  # bytes per input: a half for nibbles
     blocks = np.ascontiguousarray(data).reshape(out, n_in // _BLOCK, 2 + _BLOCK // half)
-    scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    scale = blocks[..., :2].copy().view("<f2")[..., 0].astype(np.float32)
     q = blocks[..., 2:].reshape(out, n_in // half)
     if kind == "Q8_0":
         q = q.view(np.int8)
@@ -187,9 +226,11 @@ def vocabulary(file: Path, source: str) -> tuple[list[str], list[str]]:
     """A GGUF's tokens (byte-level strings, by id) and BPE merges ("a b"): CheckpointError unless it carries
     GPT-2's kind of tokenizer (a byte-level BPE split as GPT-2 splits)."""
     _, reader = _reader(file, source)
+    _check_architecture(reader, source)
     if (model := _value(reader, "tokenizer.ggml.model", source)) != "gpt2":
         raise CheckpointError(f"{source!r} carries a {model!r} tokenizer; gpt2numba reads byte-level BPE ('gpt2')")
-    pre = _value(reader, "tokenizer.ggml.pre", source) if "tokenizer.ggml.pre" in reader.fields else "gpt-2"  # (older files)
+    # (older files have no pre: GPT-2's, whose architecture was checked)
+    pre = _value(reader, "tokenizer.ggml.pre", source) if "tokenizer.ggml.pre" in reader.fields else "gpt-2"
     if pre != "gpt-2":
         raise CheckpointError(f"{source!r}'s tokenizer splits text as {pre!r}; gpt2numba splits as GPT-2 ('gpt-2')")
     return _strings(reader, "tokenizer.ggml.tokens", source), _strings(reader, "tokenizer.ggml.merges", source)

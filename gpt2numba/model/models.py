@@ -22,7 +22,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # the hub's "
 def resolve_model(model: str | None, dtype: str = "float32", activations: str = "float32"):
     """(weights, checkpoint path or None, description) for a --model value.
 
-    model: a checkpoint directory, a .safetensors file, a hub name such as gpt2 or openai-community/gpt2
+    model: a checkpoint directory, a .safetensors or .gguf file, a hub name such as gpt2 or openai-community/gpt2
     (fetched with the [hub] extra), or None: $GPT2NUMBA_WEIGHTS, else seeded random GPT-2 small (path None).
     is_hub_name says which a name is. dtype: how the matrices are kept (compact.DTYPES); activations: how
     their products take their inputs (compact.ACTIVATIONS). Raises
@@ -44,7 +44,7 @@ def is_hub_name(model: str) -> bool:
     """Whether ``model`` names a Hugging Face hub repository rather than a local checkpoint, as the hub reads
     names: a file or folder of that name here wins; else "name" or "owner/name" in the hub's characters is a
     hub name, unless a folder "owner" exists here (then "owner/name" is a local path that is missing)."""
-    if Path(model).exists() or not _HUB_ID.fullmatch(model) or model.endswith(".safetensors"):
+    if Path(model).exists() or not _HUB_ID.fullmatch(model) or model.endswith((".safetensors", ".gguf")):
         return False
     owner, _, name = model.rpartition("/")
     return not owner or not Path(owner).is_dir()

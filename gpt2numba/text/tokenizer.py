@@ -9,6 +9,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -195,39 +196,45 @@ def _is_gguf(path) -> bool:
 
 
 def _from_gguf(path) -> Tokenizer:
-    """A GGUF's own tokenizer. Its tokens and merges are written out as vocab.json and merges.txt once, to the
-    user's cache, named by the file's state (reading them from a GGUF takes its parser seconds for GPT-2's
-    100,000 strings) beside their sha256, checked as they are read; a copy that fails is written again."""
+    """A GGUF's own tokenizer. Its tokens and merges are kept in the user's cache as vocab.json and merges.txt,
+    named by the file's place and state (reading them from a GGUF takes its parser seconds for GPT-2's 100,000
+    strings) beside their sha256, written last and checked as they are read: a copy that fails, or an
+    earlier state's, is made again or removed."""
     from ..model import from_gguf
     from ..model.mapped import state_of
 
-    source = os.fspath(path)
+    source, names = os.fspath(path), ("encoder.json", "vocab.bpe")
     try:
-        key = hashlib.sha256(json.dumps(state_of(Path(path))).encode()).hexdigest()[:24]
-        folder = cache_home() / "tokenizers" / f"gguf-{key}"
+        state = state_of(Path(path))
+        place = hashlib.sha256(state[0].encode()).hexdigest()[:16]
+        folders = cache_home() / "tokenizers"
+        folder = folders / f"gguf-{place}-{hashlib.sha256(json.dumps(state).encode()).hexdigest()[:24]}"
         with contextlib.suppress(CheckpointError, OSError, ValueError):
             digests = json.loads((folder / "sha256.json").read_text())
-            return _from_files(folder / "vocab.json", folder / "merges.txt", source, digests)
+            if isinstance(digests, dict) and sorted(digests) == sorted(names):
+                return _from_files(folder / "vocab.json", folder / "merges.txt", source, digests)
     except (RuntimeError, OSError):
         folder = None
     tokens, merges = from_gguf.vocabulary(Path(path), source)
-    vocab = {token: i for i, token in enumerate(tokens)}
-    with contextlib.ExitStack() as stack:
-        if folder is None or not _writable(folder):
-            folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        files = _write_vocabulary(folder, vocab, merges)
-        digests = {name: hashlib.sha256(f.read_bytes()).hexdigest() for name, f in zip(("encoder.json", "vocab.bpe"), files)}
-        with contextlib.suppress(OSError), replacing(folder / "sha256.json") as part:
-            part.write(json.dumps(digests).encode())
-        return _from_files(*files, source)
-
-
-def _writable(folder: Path) -> bool:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        return os.access(folder, os.W_OK)
-    except OSError:
-        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        files = _write_vocabulary(Path(tmp), {token: i for i, token in enumerate(tokens)}, merges)
+        try:
+            tokenizer = _from_files(*files, source)
+        except CheckpointError as e:
+            raise CheckpointError(f"{source!r}: its tokens and merges do not make a byte-level BPE ({e})") from None
+        if folder is not None:
+            with contextlib.suppress(OSError):
+                folder.mkdir(parents=True, exist_ok=True)
+                for file in files:
+                    with replacing(folder / file.name) as part:
+                        part.write(file.read_bytes())
+                digests = {name: hashlib.sha256(file.read_bytes()).hexdigest() for name, file in zip(names, files)}
+                with replacing(folder / "sha256.json") as part:
+                    part.write(json.dumps(digests).encode())
+                for stale in folders.glob(f"gguf-{place}-*"):
+                    if stale != folder:
+                        shutil.rmtree(stale, ignore_errors=True)
+    return tokenizer
 
 
 def resolve_tokenizer(tokenizer) -> Tokenizer:
