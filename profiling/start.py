@@ -1,11 +1,14 @@
 """A cold process's start: the import, a one-token generate, the weights' load, and the memory two processes hold.
 
-    python profiling/start.py [--model DIR] [--config small|xl] [--rounds 5] [--before CHECKOUT] [--idle-patience S]
+    python profiling/start.py [--model DIR] [--config small|xl] [--gguf TYPE] [--dtype FORMAT] [--rounds 5]
+                              [--before CHECKOUT] [--idle-patience S]
 
 Every figure is one process of its own, started fresh; medians of --rounds, each run after waiting for an idle
 machine (the others' CPU share over the runs is printed). The checkpoint is a save_pretrained directory of
 seeded random weights written once under /tmp (or --model); Numba's cache and the weights' mapped copy are
-made by a first, untimed run. Printed:
+made by a first, untimed run. --gguf F32|F16|Q8_0|Q4_0 times a GGUF file of those weights instead (our
+export; Q4_0 by the gguf package), converted to its mapped copy by that first run; --dtype is the format
+the weights are loaded in (load_weights' dtype, generate's --dtype). Printed:
 
 - `python -c "import gpt2numba"`: wall time;
 - `gpt2numba generate Hello --max-new-tokens 1 --model DIR` (python -m gpt2numba): wall time, process start to
@@ -39,7 +42,7 @@ import gpt2numba as g
 import gpt2numba.model.checkpoints  # (the loader's modules, Numba and NumPy among them, are not timed)
 t_import = time.perf_counter()
 kw = {{"mapped": {mapped}}} if "mapped" in inspect.signature(g.load_weights).parameters else {{}}
-w = g.load_weights(sys.argv[1], **kw)
+w = g.load_weights(sys.argv[1], dtype={dtype!r}, **kw)
 print(time.perf_counter() - t_import)
 """
 
@@ -53,14 +56,22 @@ sys.stdin.readline()
 """
 
 
-def checkpoint(config: str) -> Path:
-    """A save_pretrained directory of seeded random weights of ``config``, written once."""
+def checkpoint(config: str, model: Path | None, gguf: str | None) -> Path:
+    """``model``, or a save_pretrained directory of seeded random weights of ``config`` written once; with
+    ``gguf``, a GGUF of its weights in that type beside it, written once."""
     import gpt2numba as g
 
-    folder = Path(tempfile.gettempdir()) / f"gpt2numba-start-{config}"
-    if not (folder / "model.safetensors").exists():
+    folder = model or Path(tempfile.gettempdir()) / f"gpt2numba-start-{config}"
+    if model is None and not (folder / "model.safetensors").exists():
         g.save_weights(g.random_weights(getattr(g.GPT2Config, config)(), seed=0), folder)
-    return folder
+    if gguf is None:
+        return folder
+    from gpt2numba.integrations.gguf_export import write_gguf
+
+    file = folder.parent / f"{folder.name}-{gguf}.gguf"
+    if not file.exists():
+        write_gguf(g.load_weights(folder, mapped=False), file, gguf, quantizer="gguf")
+    return file
 
 
 def wall(argv, env) -> tuple[float, str]:
@@ -94,21 +105,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="a checkpoint directory (default: seeded random weights)")
     parser.add_argument("--config", default="small", choices=["small", "medium", "large", "xl"])
+    parser.add_argument("--gguf", choices=["F32", "F16", "Q8_0", "Q4_0"], help="time a GGUF of the weights")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8", "int4"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--before", type=Path, help="a checkout of an earlier commit to run in turns")
     parser.add_argument("--idle-patience", type=float, default=30.0, help="seconds to wait for a quiet machine")
     args = parser.parse_args()
     set_idle_patience(args.idle_patience)
-    model = args.model or checkpoint(args.config)
+    model = checkpoint(args.config, args.model, args.gguf)
     trees = {"this tree": dict(os.environ)}
     if args.before is not None:
         trees["before"] = {**os.environ, "PYTHONPATH": str(args.before.resolve())}
-    generate = [sys.executable, "-m", "gpt2numba", "generate", "Hello", "--max-new-tokens", "1", "--model", str(model)]
+    generate = [sys.executable, "-m", "gpt2numba", "generate", "Hello", "--max-new-tokens", "1", "--model", str(model),
+                "--dtype", args.dtype]
     jobs = {
         "import gpt2numba": lambda env: wall([sys.executable, "-c", "import gpt2numba"], env),
         "generate, 1 token": lambda env: wall(generate, env),
-        "load_weights, mapped": lambda env: wall([sys.executable, "-c", LOAD.format(mapped=True), str(model)], env),
-        "load_weights, in memory": lambda env: wall([sys.executable, "-c", LOAD.format(mapped=False), str(model)], env),
+        "load_weights, mapped": lambda env: wall([sys.executable, "-c", LOAD.format(mapped=True, dtype=args.dtype), str(model)], env),
+        "load_weights, in memory": lambda env: wall([sys.executable, "-c", LOAD.format(mapped=False, dtype=args.dtype), str(model)], env),
     }
     for env in trees.values():  # (untimed: Numba's caches, the mapped copy, the page cache)
         for job in jobs.values():

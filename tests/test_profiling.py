@@ -48,11 +48,14 @@ def test_cold_start_script(tmp_path):
     assert 0 < standard.run_script(standard._OURS_FIRST, tmp_path) < 600
 
 
-def test_start_script(tmp_path):
-    """profiling/start.py on a tiny checkpoint, one round: every figure printed (none asserted but positive)."""
+@pytest.mark.parametrize("options", [[], ["--gguf", "Q8_0", "--dtype", "int8"]])
+def test_start_script(tmp_path, options):
+    """profiling/start.py on a tiny checkpoint (and a GGUF of it), one round: every figure printed (none asserted
+    but positive)."""
     write_dir(g.random_weights(TINY_GPT2, seed=0), tmp_path / "ckpt")  # (GPT-2's vocabulary: a text prompt)
     r = subprocess.run([sys.executable, str(ROOT / "profiling" / "start.py"), "--model", str(tmp_path / "ckpt"),
-                        "--rounds", "1", "--idle-patience", "0"], capture_output=True, text=True, timeout=600)
+                        "--rounds", "1", "--idle-patience", "0", *options], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr
     for name in ("import gpt2numba", "generate, 1 token", "load_weights, mapped", "load_weights, in memory"):
         assert re.search(rf"this tree +{name} +[0-9.]+ s", r.stdout), (name, r.stdout)
