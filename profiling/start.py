@@ -49,7 +49,7 @@ print(time.perf_counter() - t_import)
 HOLD = """
 import sys, time
 import gpt2numba as g
-w = g.load_weights(sys.argv[1])
+w = g.load_weights(sys.argv[1], dtype=sys.argv[2])
 g.prefill([464, 2068], w, g.ModelCache(w.config, 8))
 print("ready", flush=True)
 sys.stdin.readline()
@@ -69,8 +69,10 @@ def checkpoint(config: str, model: Path | None, gguf: str | None) -> Path:
     from gpt2numba.integrations.gguf_export import write_gguf
 
     file = folder.parent / f"{folder.name}-{gguf}.gguf"
-    if not file.exists():
-        write_gguf(g.load_weights(folder, mapped=False), file, gguf, quantizer="gguf")
+    if not file.exists() or file.stat().st_mtime < (folder / "model.safetensors").stat().st_mtime:
+        part = file.with_suffix(".partial")  # (renamed once whole: an interrupted run leaves no file to reuse)
+        write_gguf(g.load_weights(folder, mapped=False), part, gguf, quantizer="gguf")
+        part.rename(file)
     return file
 
 
@@ -88,10 +90,10 @@ def pss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
 
 
-def held(n: int, model: Path, env) -> int:
-    """The PSS of ``n`` processes holding the weights at once, summed (KiB)."""
-    runs = [subprocess.Popen([sys.executable, "-c", HOLD, str(model)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env=env) for _ in range(n)]
+def held(n: int, model: Path, dtype: str, env) -> int:
+    """The PSS of ``n`` processes holding the weights in ``dtype`` at once, summed (KiB)."""
+    runs = [subprocess.Popen([sys.executable, "-c", HOLD, str(model), dtype], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)]
     try:
         for run in runs:
             assert run.stdout.readline().strip() == "ready"
@@ -118,11 +120,14 @@ def main() -> None:
         trees["before"] = {**os.environ, "PYTHONPATH": str(args.before.resolve())}
     generate = [sys.executable, "-m", "gpt2numba", "generate", "Hello", "--max-new-tokens", "1", "--model", str(model),
                 "--dtype", args.dtype]
+    def load_script(mapped):
+        return LOAD.format(mapped=mapped, dtype=args.dtype)
+
     jobs = {
         "import gpt2numba": lambda env: wall([sys.executable, "-c", "import gpt2numba"], env),
         "generate, 1 token": lambda env: wall(generate, env),
-        "load_weights, mapped": lambda env: wall([sys.executable, "-c", LOAD.format(mapped=True, dtype=args.dtype), str(model)], env),
-        "load_weights, in memory": lambda env: wall([sys.executable, "-c", LOAD.format(mapped=False, dtype=args.dtype), str(model)], env),
+        "load_weights, mapped": lambda env: wall([sys.executable, "-c", load_script(True), str(model)], env),
+        "load_weights, in memory": lambda env: wall([sys.executable, "-c", load_script(False), str(model)], env),
     }
     for env in trees.values():  # (untimed: Numba's caches, the mapped copy, the page cache)
         for job in jobs.values():
@@ -141,7 +146,7 @@ def main() -> None:
               + (f"\n{'':36}{lines[tree, name][11:]}" if lines[tree, name] else ""))
     print(f"others' CPU share over the runs: {100 * (load.share or 0):.0f}%")
     for tree, env in trees.items():
-        one, two = held(1, model, env), held(2, model, env)
+        one, two = held(1, model, args.dtype, env), held(2, model, args.dtype, env)
         print(f"{tree:10} PSS: one process {one / 1024:.0f} MiB, two at once {two / 1024:.0f} MiB ({two / one:.2f}x)")
 
 

@@ -31,6 +31,8 @@ def fetch(folder: Path) -> Path:
                 if member.isfile() and inside.startswith(_KEEP):
                     member.name = inside
                     tar.extract(member, unpacked, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        if not (unpacked / "convert_hf_to_gguf.py").is_file():
+            raise SystemExit(f"{sdist.name} holds no vendor/llama.cpp/convert_hf_to_gguf.py: a new layout?")
         (unpacked / _MARK).write_text(RELEASE)
         shutil.rmtree(folder, ignore_errors=True)
         unpacked.rename(folder)

@@ -219,10 +219,17 @@ def test_a_tied_head_loads_and_an_untied_one_is_refused(weights, tmp_path, cache
     with pytest.warns(GGUFWarning, match=r"output.weight \(Q8_0\) is token_embd.weight \(F32\) rounded apart"):
         w = g.load_weights(apart, mapped=False)
     np.testing.assert_array_equal(w.wte, weights.wte)
-    drawn_apart = _with_extra(weights, tmp_path / "drawn.gguf", monkeypatch,
-                              {"output.weight": (lambda a: np.random.default_rng(0).permutation(a), "Q8_0")})
-    with pytest.raises(CheckpointError, match="output.weight that differs"):
-        g.load_weights(drawn_apart)
+    def noisy(by):  # the embedding plus noise whose root mean square is ``by`` of its own (llama.cpp's Q2_K: 0.3)
+        return lambda a: a + by * np.sqrt(np.mean(np.square(a))) * np.random.default_rng(0).standard_normal(
+            a.shape, dtype=np.float32)
+
+    coarse = _with_extra(weights, tmp_path / "coarse.gguf", monkeypatch, {"output.weight": (noisy(0.35), "Q8_0")})
+    with pytest.warns(GGUFWarning, match="rounded apart"):
+        g.load_weights(coarse, mapped=False)
+    for name, values_of in (("far", noisy(0.6)), ("drawn", lambda a: np.random.default_rng(0).permutation(a))):
+        apart = _with_extra(weights, tmp_path / f"{name}.gguf", monkeypatch, {"output.weight": (values_of, "Q8_0")})
+        with pytest.raises(CheckpointError, match="output.weight that differs"):
+            g.load_weights(apart)
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -317,3 +324,23 @@ def test_a_q8_0_value_outside_int8s_range_is_rounded_again(files, tmp_path, cach
     np.testing.assert_array_equal(w.matrix("c_fc_w")[1].T, values["blk.1.ffn_up.weight"])  # the rest as stored
     np.testing.assert_array_equal(loaded(path, "float32", mapped=False).matrix("mlp_c_proj_w")[1].T,
                                   values["blk.1.ffn_down.weight"])
+
+
+@pytest.mark.parametrize("patch, message", [
+    ("big-endian", "reads little-endian GGUF files"),
+    ("per-layer heads", "'gpt2.attention.head_count' is an array"),
+])
+def test_a_file_gpt2numba_cannot_read_as_written_is_refused(weights, tmp_path, cache, monkeypatch, patch, message):
+    from gpt2numba.integrations.gguf_export import write_gguf
+
+    with monkeypatch.context() as m:
+        if patch == "big-endian":
+            init = gguf.GGUFWriter.__init__
+            m.setattr(gguf.GGUFWriter, "__init__", lambda self, path, arch, **kw: init(
+                self, path, arch, endianess=gguf.GGUFEndian.BIG, **kw))
+        else:
+            add = gguf.GGUFWriter.add_head_count
+            m.setattr(gguf.GGUFWriter, "add_head_count", lambda self, n: add(self, [n] * CONFIG.n_layer))
+        path = write_gguf(weights, tmp_path / "m.gguf")
+    with pytest.raises(CheckpointError, match=message):
+        g.load_weights(path)

@@ -111,38 +111,3 @@ def test_every_kernel_of_the_package_is_guarded():
     assert len(kinds) > 50, kinds
     assert set(holding) - {"gpt2numba.cpu.numbacache"} <= {name.rsplit(".", 1)[0] for name in kinds}
     assert set(kinds.values()) == {"LockedCacheFile"}, {k: v for k, v in kinds.items() if v != "LockedCacheFile"}
-
-
-_FIRST_PASS = """
-import gc, sys
-import gpt2numba as g
-from gpt2numba.model.forward import load_kernels
-from numba.core.registry import CPUDispatcher
-dtype, activations, kv_dtype = sys.argv[1:]
-
-def overloads():
-    return {{(d.py_func.__module__, d.py_func.__qualname__): len(d.overloads)
-             for d in gc.get_objects() if isinstance(d, CPUDispatcher)}}
-
-load_kernels(dtype, activations, kv_dtype)
-loaded = overloads()
-cfg = g.GPT2Config(n_layer=2, n_head=2, n_embd=128, n_positions=64, vocab_size=512)
-w = g.random_weights(cfg, seed=1).astype(dtype, activations)
-mc = g.ModelCache(cfg, max_len=16, dtype=kv_dtype)
-token = int(g.prefill([5, 7, 9], w, mc).argmax())
-for _ in range(3):
-    token = int(g.decode_step(token, w, mc).argmax())
-print(sorted(name for name, n in overloads().items() if n != loaded.get(name, 0)))
-"""
-
-
-@pytest.mark.parametrize("dtype, activations, kv_dtype", [
-    ("float32", "float32", "float32"), ("bfloat16", "bfloat16", "float32"), ("int8", "float32", "float16"),
-    ("int4", "float32", "float32")])
-def test_load_kernels_loads_what_a_short_prompt_and_its_decode_steps_call(dtype, activations, kv_dtype):
-    """forward.load_kernels (which generate runs on a thread while it reads the weights) leaves nothing for the
-    first pass of a real model to load: a prompt of a few tokens and decode steps, in a fresh process."""
-    r = subprocess.run([sys.executable, "-c", _FIRST_PASS.format(), dtype, activations, kv_dtype],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout

@@ -4,13 +4,11 @@ with the other commands'; their names here are argparse's (``--top-k`` is ``top_
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -115,15 +113,11 @@ def run(args) -> int:
         w, path = None, args.model or os.environ.get("GPT2NUMBA_WEIGHTS") or None
         tokenizer = load_tokenizer(path if path is not None and Path(path).exists() else None)
     else:
-        loading = _loading_kernels(args)
-        try:
-            t_weights = time.perf_counter()
-            w, path, _ = resolve_model(args.model, args.dtype, args.activations)
-            t_tokenizer = time.perf_counter()
-            tokenizer = load_tokenizer(path)
-            started = start(before_run, weights=t_tokenizer - t_weights, tokenizer=time.perf_counter() - t_tokenizer)
-        finally:
-            loading.join()
+        t_weights = time.perf_counter()
+        w, path, _ = resolve_model(args.model, args.dtype, args.activations)
+        t_tokenizer = time.perf_counter()
+        tokenizer = load_tokenizer(path)
+        started = start(before_run, weights=t_tokenizer - t_weights, tokenizer=time.perf_counter() - t_tokenizer)
     if path is None:
         print(f"gpt2numba: {RANDOM_NOTE}", file=sys.stderr)
     vocab = w.config.vocab_size if w is not None else math.inf  # (on Ray the workers hold the weights, and check)
@@ -155,20 +149,6 @@ def run(args) -> int:
     if n > 1:
         return _samples(args.prompt, w, tokenizer, n, options, t0)
     return _stream(args.prompt, w, tokenizer, args.slide, options, t0, started)
-
-
-def _loading_kernels(args) -> threading.Thread:
-    """The compiled kernels of the flags' format loaded on a thread of its own (forward.load_kernels) while the
-    weights and the tokenizer load; whatever fails there, the first pass raises again, where it is said."""
-    from ..model.forward import load_kernels  # (here: the pool is installed by the main thread, as ever)
-
-    def load():
-        with contextlib.suppress(Exception):
-            load_kernels(args.dtype, args.activations, args.kv_dtype)
-
-    thread = threading.Thread(target=load, name="gpt2numba-kernels", daemon=True)
-    thread.start()
-    return thread
 
 
 def structured(args, tokenizer, vocab) -> dict:
@@ -241,9 +221,9 @@ def _stream(prompt, w, tokenizer, slide, options, t0, started: str) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     summary = f"{count(len(ids), 'prompt token')}, {count(len(stamps), 'new token')}"
-    if stamps:  # (no prefill rate: the first call's time is mostly the weights' first read, page by page)
-        summary += (f"; first token after {stamps[0] - t_start:.2f} s (the first call: prefill, its kernels loaded "
-                    "beside the weights)")
+    if stamps:  # (no prefill rate: the first call's time is mostly the compiled kernels' loading)
+        summary += (f"; first token after {stamps[0] - t_start:.2f} s (the first call: prefill and loading the "
+                    "compiled kernels)")
     if len(stamps) > 1:
         gaps = np.diff(stamps)  # a speculative step's tokens come in a burst (their median gap is 0): the mean
         speculating = "draft" in options or "prompt_lookup_num_tokens" in options

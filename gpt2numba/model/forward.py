@@ -116,20 +116,6 @@ def run_prefill(prompt_ids) -> np.ndarray:
     return prefill(prompt_ids, w, ModelCache(w.config))
 
 
-def load_kernels(dtype: str = "float32", activations: str = "float32", kv_dtype: str = "float32") -> None:
-    """Load the compiled kernels a prompt of a few tokens and its decode steps call in this format, from Numba's
-    cache (compiling them the first time): by a pass of a model of one 64-wide layer, since a kernel is compiled
-    for its arrays' types, not their sizes. A command runs it on a thread of its own while it reads the weights
-    and the tokenizer (cli/generate.py): GPT-2 small's first token came 0.07 s sooner (docs/performance.md)."""
-    from .config import GPT2Config
-    from .weights import random_weights
-
-    config = GPT2Config(n_layer=1, n_head=1, n_embd=64, n_positions=4, vocab_size=64)
-    w = random_weights(config, seed=0).astype(dtype, activations)
-    mc = ModelCache(config, max_len=2, dtype=kv_dtype)
-    decode_step(int(prefill([0], w, mc).argmax()), w, mc)
-
-
 def set_threads(n: int) -> None:
     """Use ``n`` threads (1 to the number Numba started with, by default the cores); above the pool's size
     (a cgroup quota's, $GPT2NUMBA_THREADS'), the pool grows to n."""
