@@ -4,8 +4,10 @@ Profiles: "ci" (the default; the whole suite in a few minutes on 2 cores) and
 "full" (many more examples, for local runs): HYPOTHESIS_PROFILE=full pytest
 """
 
+import atexit
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,9 +24,10 @@ os.environ.setdefault("GPT2NUMBA_CLAIM_DIR", "off")
 # The suite runs with dispatch's default thresholds, whatever `gpt2numba tune` measured on this machine
 # (reproducible bits); tests/test_tuning.py sets a file of its own where it needs one.
 os.environ["GPT2NUMBA_TUNING"] = "off"
-# What the package writes for later processes (the tokenizer's tables) goes to the run's own folder, not the
-# user's home; the suite's processes share it.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gpt2numba-suite-cache-")
+# What the package writes for later processes (the tokenizer's tables, mapped copies of weights: 2.5 GB a run)
+# goes to this process's own folder, not the user's home, and goes with the process; its subprocesses share it.
+os.environ["XDG_CACHE_HOME"] = _SUITE_CACHE = tempfile.mkdtemp(prefix="gpt2numba-suite-cache-")
+atexit.register(shutil.rmtree, _SUITE_CACHE, ignore_errors=True)
 
 import gpt2numba as g  # noqa: E402
 import warm_kernels  # noqa: E402
